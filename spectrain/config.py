@@ -1,0 +1,297 @@
+"""Structured configs and recipe loading.
+
+A recipe is an omegaconf YAML file. `defaults: [name, ...]` lists recipes it inherits
+from (resolved beside it, then among the packaged recipes), merged in order, then the file
+itself, then `key=value` overrides from the command line. Everything is merged onto the
+dataclasses below, so unknown keys and wrong types fail at load time, and `validate`
+rejects impossible values before any work starts. Every error names the key and the fix.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+DEFAULT_RECIPE = "tiny_cpu"
+
+
+class ConfigError(ValueError):
+    """A recipe or override is wrong; the message names the key and how to fix it."""
+
+
+@dataclass
+class PolicyConfig:
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 128
+
+
+@dataclass
+class TaskConfig:
+    name: str = "arithmetic"  # arithmetic | jsonl
+    digits: int = 2
+    operands: int = 2
+    path: str | None = None  # JSONL with {"prompt", "answer"} rows when name == jsonl
+    on_bad_row: str = "skip"  # skip | error
+    reward: str = "exact"
+
+
+@dataclass
+class SFTConfig:
+    enabled: bool = True
+    steps: int = 600
+    batch_size: int = 64
+    lr: float = 3e-3
+    eval_prompts: int = 128
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = 16
+    group_size: int = 8
+    max_new_tokens: int = 24
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_model_len: int = 128
+    kv_cache_gib: float = 1.0
+    eval_prompts: int = 128
+
+
+@dataclass
+class GRPOConfig:
+    lr: float = 5e-4
+    clip_eps: float = 0.2
+    kl_beta: float = 0.0
+    adv_eps: float = 1e-4
+    grad_clip: float = 1.0
+    weight_decay: float = 0.0
+
+
+@dataclass
+class DraftConfig:
+    mode: str = "cotrained"  # cotrained | frozen | none
+    num_speculative_tokens: int = 3
+    ttt_steps: int = 3
+    aux_layer_ids: list[int] | None = None  # None: vLLM's default (2, n//2, n-3)
+    lr: float = 3e-3
+    grad_clip: float = 1.0
+    every_n_steps: int = 1
+    pass_decay: float = 0.8
+    warmup_steps: int = 0  # offline draft warm-up on the warm-started policy before RL
+    check_alive: bool = True
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = 1
+    cp: int = 1
+    pp: int = 1
+    pp_schedule: str = "1F1B"
+    microbatches: int = 2
+
+
+@dataclass
+class BanditConfig:
+    epsilon: float = 0.1
+    window: int = 300
+    arms: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
+
+
+@dataclass
+class LongTailConfig:
+    mode: str = "off"  # off | on
+    threshold: int = 4
+    max_steps: int = 4
+
+
+@dataclass
+class SpeculationConfig:
+    mode: str = "fixed"  # fixed | concurrency | bandit
+    verify_budget: int | None = None  # from `spectrain calibrate`; None reads the run's calibration
+    bandit: BanditConfig = field(default_factory=BanditConfig)
+    long_tail: LongTailConfig = field(default_factory=LongTailConfig)
+
+
+@dataclass
+class CallbackConfig:
+    target: str = MISSING  # import path of a lightning Callback class
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 20
+    seed: int = 0
+    run_dir: str = "runs/tiny_cpu"
+    resume: str = "auto"  # auto: resume an existing run dir | never: refuse an existing one
+    logger: str = "csv"  # csv | tensorboard
+    log_every_n_steps: int = 1
+    eval_every_n_steps: int = 5
+    checkpoint_every_n_steps: int = 5
+    progress_bar: bool = True
+    callbacks: list[CallbackConfig] = field(default_factory=list)
+
+
+@dataclass
+class SpecTrainConfig:
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def packaged_recipe_dir() -> Path:
+    return Path(str(resources.files("spectrain.recipes")))
+
+
+def resolve_recipe(name_or_path: str, relative_to: Path | None = None) -> Path:
+    """A recipe by path, by name beside the including file, or by packaged name."""
+    candidates = [Path(name_or_path)]
+    stem = name_or_path if name_or_path.endswith((".yaml", ".yml")) else f"{name_or_path}.yaml"
+    if relative_to is not None:
+        candidates.append(relative_to / stem)
+    candidates.append(packaged_recipe_dir() / stem)
+    for c in candidates:
+        if c.is_file():
+            return c
+    available = sorted(p.stem for p in packaged_recipe_dir().glob("*.yaml"))
+    raise ConfigError(f"recipe '{name_or_path}' not found (looked at {[str(c) for c in candidates]}); "
+                      f"pass a YAML path or one of the packaged recipes: {available}")
+
+
+def _read_yaml(path: Path) -> DictConfig:
+    try:
+        node = OmegaConf.load(path)
+    except Exception as exc:  # yaml.YAMLError and friends: the message already says where
+        raise ConfigError(f"recipe {path} is not valid YAML: {exc}") from exc
+    if not isinstance(node, DictConfig):
+        raise ConfigError(f"recipe {path} must be a mapping of sections (policy:, rollout:, ...), "
+                          f"got {type(node).__name__}")
+    return node
+
+
+def _load_with_defaults(path: Path, seen: tuple[Path, ...] = ()) -> list[DictConfig]:
+    """The recipe's inheritance chain, parents first."""
+    if path.resolve() in seen:
+        chain = " -> ".join(str(p) for p in (*seen, path.resolve()))
+        raise ConfigError(f"recipe inheritance loops: {chain}; remove one of the defaults entries")
+    node = _read_yaml(path)
+    defaults = node.pop("defaults", [])
+    if isinstance(defaults, str):
+        defaults = [defaults]
+    layers: list[DictConfig] = []
+    for parent in defaults:
+        layers += _load_with_defaults(resolve_recipe(str(parent), path.parent), (*seen, path.resolve()))
+    return layers + [node]
+
+
+def _merge(base: DictConfig, layer: DictConfig | list[str], origin: str) -> DictConfig:
+    try:
+        other = OmegaConf.from_dotlist(layer) if isinstance(layer, list) else layer
+        return OmegaConf.merge(base, other)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "?"
+        raise ConfigError(f"{origin}: bad value for '{key}': {_first_line(exc)}. "
+                          f"Check the key's spelling and type against spectrain/config.py "
+                          f"(`spectrain show-config` prints every key with its default)") from exc
+
+
+def _first_line(exc: Exception) -> str:
+    return str(exc).strip().splitlines()[0]
+
+
+def load_config(recipe: str | None = None, overrides: list[str] | None = None) -> SpecTrainConfig:
+    """Load a recipe (default: the embedded tiny CPU recipe), apply overrides, validate."""
+    cfg = OmegaConf.structured(SpecTrainConfig)
+    path = resolve_recipe(recipe or DEFAULT_RECIPE)
+    for layer in _load_with_defaults(path):
+        cfg = _merge(cfg, layer, f"recipe {path}")
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must look like key=value, e.g. trainer.max_steps=10")
+    cfg = _merge(cfg, list(overrides or []), "command-line override")
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(f"required values are missing (???): {missing}; set them in the recipe "
+                          f"or on the command line, e.g. {missing[0]}=...")
+    config: SpecTrainConfig = OmegaConf.to_object(cfg)
+    validate(config)
+    return config
+
+
+def to_yaml(config: SpecTrainConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+def _one_of(value: str, key: str, allowed: tuple[str, ...]) -> None:
+    _require(value in allowed, key, f"'{value}' is not one of {list(allowed)}")
+
+
+def validate(c: SpecTrainConfig) -> None:
+    """Reject impossible values before any work starts."""
+    p, r, d = c.policy, c.rollout, c.draft
+    _require(p.num_attention_heads % p.num_key_value_heads == 0, "policy.num_key_value_heads",
+             f"num_attention_heads={p.num_attention_heads} must be a multiple of it")
+    _require(p.hidden_size % p.num_attention_heads == 0, "policy.hidden_size",
+             f"must be divisible by num_attention_heads={p.num_attention_heads}")
+    _require(p.num_hidden_layers >= 1, "policy.num_hidden_layers", "must be >= 1")
+    _require(r.group_size >= 2, "rollout.group_size",
+             f"is {r.group_size}; GRPO normalises rewards within a group, so it needs >= 2 samples per prompt")
+    _require(r.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1")
+    _require(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
+    _require(r.temperature >= 0, "rollout.temperature", "must be >= 0")
+    _require(0 < r.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
+    _require(r.max_model_len <= p.max_position_embeddings, "rollout.max_model_len",
+             f"{r.max_model_len} exceeds policy.max_position_embeddings={p.max_position_embeddings}; "
+             f"raise the latter or lower the former")
+    _require(c.grpo.clip_eps > 0, "grpo.clip_eps", "must be > 0")
+    _require(c.grpo.kl_beta >= 0, "grpo.kl_beta", "must be >= 0")
+    _one_of(c.task.name, "task.name", ("arithmetic", "jsonl"))
+    _one_of(c.task.on_bad_row, "task.on_bad_row", ("skip", "error"))
+    _require(c.task.name != "jsonl" or bool(c.task.path), "task.path",
+             "task.name=jsonl needs task.path=/path/to/prompts.jsonl")
+    _require(c.task.digits >= 1 and c.task.operands >= 2, "task.digits/task.operands",
+             "need digits >= 1 and operands >= 2")
+    _one_of(d.mode, "draft.mode", ("cotrained", "frozen", "none"))
+    _require(d.num_speculative_tokens >= 1, "draft.num_speculative_tokens", "must be >= 1")
+    _require(d.ttt_steps >= 1, "draft.ttt_steps", "must be >= 1")
+    _require(d.every_n_steps >= 1, "draft.every_n_steps", "must be >= 1")
+    _require(0 < d.pass_decay <= 1, "draft.pass_decay", "must be in (0, 1]")
+    if d.aux_layer_ids is not None:
+        bad = [i for i in d.aux_layer_ids if not 0 <= i < p.num_hidden_layers]
+        _require(not bad and len(d.aux_layer_ids) == 3, "draft.aux_layer_ids",
+                 f"{list(d.aux_layer_ids)} must be 3 layer ids in 0..{p.num_hidden_layers - 1}")
+    elif d.mode != "none":
+        _require(p.num_hidden_layers >= 4, "policy.num_hidden_layers",
+                 "EAGLE-3's default aux layers (2, n//2, n-3) need >= 4 layers; set draft.aux_layer_ids")
+    par = c.parallel
+    for key in ("dp", "cp", "pp", "microbatches"):
+        _require(getattr(par, key) >= 1, f"parallel.{key}", "must be >= 1")
+    _require(par.pp <= p.num_hidden_layers, "parallel.pp",
+             f"{par.pp} stages but the policy has only {p.num_hidden_layers} layers; lower parallel.pp")
+    _one_of(par.pp_schedule, "parallel.pp_schedule", ("GPipe", "1F1B", "Interleaved1F1B"))
+    _one_of(c.speculation.mode, "speculation.mode", ("fixed", "concurrency", "bandit"))
+    _one_of(c.speculation.long_tail.mode, "speculation.long_tail.mode", ("off", "on"))
+    _require(0 <= c.speculation.bandit.epsilon <= 1, "speculation.bandit.epsilon", "must be in [0, 1]")
+    _one_of(c.trainer.resume, "trainer.resume", ("auto", "never"))
+    _one_of(c.trainer.logger, "trainer.logger", ("csv", "tensorboard"))
+    _require(c.trainer.max_steps >= 0, "trainer.max_steps", "must be >= 0")

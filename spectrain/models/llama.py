@@ -1,0 +1,219 @@
+"""A compact Llama/Qwen3-family decoder over packed batches.
+
+Parameter names follow Hugging Face (`model.layers.N.self_attn.q_proj.weight`, ...) so a
+state dict goes to vLLM and to `save_pretrained`-style directories unchanged. Batches are
+packed (no batch dimension, `cu_seqlens` marks documents); attention goes through an
+ops object (`LocalAttentionOps` by default, zigzag ring attention under context parallel)
+that returns `(out, lse)`. The forward can capture the residual stream entering chosen
+layers: exactly the tensors vLLM's EAGLE-3 integration hands the draft at inference.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spectrain.ops.attention import LocalAttentionOps, varlen_attention
+
+
+@dataclass
+class LlamaConfig:
+    """Architecture of the policy; field names match HF `config.json`."""
+
+    vocab_size: int = 128
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 256
+    tie_word_embeddings: bool = False
+    qk_norm: bool = False  # Qwen3-style per-head RMSNorm on q and k
+    bos_token_id: int = 1
+    eos_token_id: int = 2
+    pad_token_id: int = 0
+    initializer_range: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads} (grouped-query attention)"
+            )
+
+    @property
+    def architecture(self) -> str:
+        return "Qwen3ForCausalLM" if self.qk_norm else "LlamaForCausalLM"
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin tables `[T, head_dim]` in the HF "rotate half" layout."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    freqs = position_ids.to(torch.float64)[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x [T, H, D]` by the per-token angles of `cos, sin [T, D]`."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, input_size: int | None = None) -> None:
+        super().__init__()
+        d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        in_size = input_size or cfg.hidden_size
+        self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, d
+        self.q_proj = nn.Linear(in_size, hq * d, bias=False)
+        self.k_proj = nn.Linear(in_size, hkv * d, bias=False)
+        self.v_proj = nn.Linear(in_size, hkv * d, bias=False)
+        self.o_proj = nn.Linear(hq * d, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Projected, normed and rotated `q [T,Hq,D]`, `k, v [T,Hkv,D]`."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, cu_seqlens, ops) -> torch.Tensor:
+        q, k, v = self.project_qkv(x, cos, sin)
+        out = varlen_attention(q, k, v, cu_seqlens, causal=True, ops=ops)
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cu_seqlens, ops) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, ops)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor | None
+    hidden: torch.Tensor  # after the final norm, [T, H]
+    embeds: torch.Tensor  # embedding output, [T, H]
+    aux_hidden: list[torch.Tensor] = field(default_factory=list)  # residual entering each captured layer
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm (`model.*` in HF names).
+
+    Layers are kept in a ModuleDict keyed by their global index so a pipeline stage can
+    drop the layers it does not own and keep HF names (`model.layers.5.*`) intact.
+    """
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(cfg.num_hidden_layers)})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.attention_ops = LocalAttentionOps()
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = self.cfg.initializer_range
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=std)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        capture_layers: tuple[int, ...] = (),
+        compute_logits: bool = True,
+    ) -> CausalLMOutput:
+        assert input_ids.dim() == 1 and input_ids.shape == position_ids.shape, (
+            f"packed input_ids/position_ids must be 1-D and equal: {input_ids.shape} vs {position_ids.shape}"
+        )
+        assert int(cu_seqlens[-1]) == input_ids.shape[0], "cu_seqlens[-1] must equal the token count"
+        embeds = self.model.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, embeds.dtype)
+        captured: dict[int, torch.Tensor] = {}
+        x = embeds
+        for idx, layer in self.model.layers.items():
+            if int(idx) in capture_layers:
+                captured[int(idx)] = x
+            x = layer(x, cos, sin, cu_seqlens, self.attention_ops)
+        hidden = self.model.norm(x)
+        logits = self.lm_head(hidden) if compute_logits else None
+        missing = set(capture_layers) - set(captured)
+        if missing:
+            raise ValueError(
+                f"aux layer ids {sorted(missing)} do not exist: the policy has layers "
+                f"0..{self.cfg.num_hidden_layers - 1}; fix draft.aux_layer_ids"
+            )
+        return CausalLMOutput(logits, hidden, embeds, [captured[i] for i in capture_layers])
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """vLLM's EAGLE-3 default: the residual entering layers (2, n//2, n-3)."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def pack_sequences(seqs: list[list[int]], device=None):
+    """Concatenate token lists into `(input_ids, position_ids, cu_seqlens)`."""
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int32)
+    cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lengths, 0)
+    input_ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=device)
+    position_ids = torch.cat([torch.arange(n) for n in lengths.tolist()]).to(device)
+    return input_ids, position_ids, cu.to(device)

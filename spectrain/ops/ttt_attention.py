@@ -1,0 +1,119 @@
+"""EAGLE-3 training-time-test (TTT) branch attention (docs: REFERENCE.md section 3).
+
+In pass ``d`` the query at anchor ``i`` attends to the causal trunk of pass-1 keys of its
+document plus one diagonal key per earlier pass ``p = 2..d`` at the same anchor ``i``.
+The trunk goes through ``ops`` (local attention, or ring attention under context
+parallel); the ``d - 1`` diagonal keys are a per-row softmax in closed form, merged into
+the trunk by log-sum-exp. Memory is ``O(T * d)``: the ``[T, d * T]`` staircase mask of the
+dense formulation never exists.
+"""
+
+import torch
+
+from spectrain.ops.attention import LocalAttentionOps
+from spectrain.ops.lse_merge import merge_attn
+
+
+def _branch_scores(q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """Diagonal scores ``s[p, t, h] = scale * q[t, h] . keys[p, t, h // G]``, [P, T, Hq]."""
+    n_pass, t, n_kv, dim = keys.shape
+    qg = q.view(t, n_kv, -1, dim)
+    return torch.einsum("tjgd,ptjd->ptjg", qg, keys).reshape(n_pass, t, -1) * scale
+
+
+def _expand_heads(x: torch.Tensor, n_q: int) -> torch.Tensor:
+    """[P, T, Hkv, D] -> [P, T, Hq, D], kv head j serving q heads j*G..(j+1)*G-1."""
+    return x.repeat_interleave(n_q // x.shape[2], dim=2)
+
+
+def _sum_groups(x: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """[P, T, Hq, D] -> [P, T, Hkv, D]: GQA gradients summed over each kv head's group."""
+    n_pass, t, n_q, dim = x.shape
+    return x.view(n_pass, t, n_kv, n_q // n_kv, dim).sum(3)
+
+
+def _branch_forward(q, keys, values, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the diagonal keys alone: ``(out [T, Hq, D], lse [T, Hq])``."""
+    s = _branch_scores(q, keys, scale)
+    lse = torch.logsumexp(s, dim=0)
+    p = torch.exp(s - lse)
+    out = (p.unsqueeze(-1) * _expand_heads(values, q.shape[1])).sum(0)
+    return out, lse
+
+
+class _TTTAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, cu_seqlens, scale, ops, n_pass, *kv):
+        keys, values = kv[:n_pass], kv[n_pass:]
+        out, lse = ops.forward(q, keys[0], values[0], cu_seqlens, cu_seqlens, True, scale)
+        if n_pass > 1:
+            cdt = lse.dtype
+            branch = _branch_forward(
+                q.to(cdt), torch.stack(keys[1:]).to(cdt), torch.stack(values[1:]).to(cdt), scale
+            )
+            out, lse = merge_attn(out, lse, *branch)
+            out = out.to(q.dtype)
+        ctx.save_for_backward(q, cu_seqlens, out, lse, *kv)
+        ctx.scale, ctx.ops, ctx.n_pass = scale, ops, n_pass
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, cu_seqlens, out, lse, *kv = ctx.saved_tensors
+        keys, values = kv[: ctx.n_pass], kv[ctx.n_pass :]
+        dq, dk0, dv0 = ctx.ops.backward(
+            dout, q, keys[0], values[0], out, lse, cu_seqlens, cu_seqlens, True, ctx.scale
+        )
+        dks, dvs = [dk0], [dv0]
+        if ctx.n_pass > 1:
+            dq_b, dk_b, dv_b = _branch_backward(
+                dout, q, torch.stack(keys[1:]), torch.stack(values[1:]), out, lse, ctx.scale
+            )
+            dq = (dq.to(dq_b.dtype) + dq_b).to(q.dtype)
+            dks += [g.to(k.dtype) for g, k in zip(dk_b.unbind(0), keys[1:])]
+            dvs += [g.to(v.dtype) for g, v in zip(dv_b.unbind(0), values[1:])]
+        return dq, None, None, None, None, *dks, *dvs
+
+
+def _branch_backward(dout, q, keys, values, out, lse, scale):
+    """Closed-form gradients of the diagonal part given the joint ``(out, lse)``.
+
+    ``P_p = exp(s_p - lse)``, ``D = sum(dO * O)``, ``dV_p = P_p dO``,
+    ``dS_p = P_p (dO . v_p - D)``, ``dq = scale sum_p dS_p k_p``, ``dk_p = scale dS_p q``.
+    """
+    cdt = lse.dtype
+    n_q, n_kv = q.shape[1], keys.shape[2]
+    dout, q, out = dout.to(cdt), q.to(cdt), out.to(cdt)
+    keys, values = keys.to(cdt), values.to(cdt)
+
+    p = torch.exp(_branch_scores(q, keys, scale) - lse)  # [P, T, Hq]
+    delta = (dout * out).sum(-1)  # [T, Hq]
+    dp = (dout * _expand_heads(values, n_q)).sum(-1)  # dO . v_p, [P, T, Hq]
+    ds = (p * (dp - delta)).unsqueeze(-1)  # [P, T, Hq, 1]
+    dq = scale * (ds * _expand_heads(keys, n_q)).sum(0)
+    dk = scale * _sum_groups(ds * q, n_kv)
+    dv = _sum_groups(p.unsqueeze(-1) * dout, n_kv)
+    return dq, dk, dv
+
+
+def ttt_attention(
+    q: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    cu_seqlens: torch.Tensor,
+    scale: float | None = None,
+    ops=None,
+) -> torch.Tensor:
+    """Branch attention of TTT pass ``d = len(keys)``; returns ``out [T, Hq, D]``.
+
+    ``keys[0] / values[0]``: pass-1 keys/values ``[T, Hkv, D]``, seen causally within each
+    document. ``keys[p] / values[p]`` (p >= 1): pass-(p+1) keys, seen only at the same
+    anchor. ``d = 1`` is plain causal attention. ``ops`` computes the trunk
+    (``LocalAttentionOps()`` by default; a ring-attention ops object under CP).
+    """
+    assert len(keys) == len(values) >= 1, (len(keys), len(values))
+    assert all(k.shape == keys[0].shape for k in (*keys, *values)), "keys/values shapes differ"
+    assert q.shape[0] == keys[0].shape[0] and q.shape[2] == keys[0].shape[2], (q.shape, keys[0].shape)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    ops = LocalAttentionOps() if ops is None else ops
+    return _TTTAttention.apply(q, cu_seqlens, scale, ops, len(keys), *keys, *values)

