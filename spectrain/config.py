@@ -108,7 +108,7 @@ class BanditConfig:
 
 @dataclass
 class LongTailConfig:
-    mode: str = "off"  # off | on
+    enabled: bool = False  # train the draft while the rollout's long tail leaves capacity idle
     threshold: int = 4
     max_steps: int = 4
 
@@ -199,15 +199,25 @@ def _load_with_defaults(path: Path, seen: tuple[Path, ...] = ()) -> list[DictCon
     return layers + [node]
 
 
-def _merge(base: DictConfig, layer: DictConfig | list[str], origin: str) -> DictConfig:
+def _merge(base: DictConfig, layer: DictConfig, origin: str) -> DictConfig:
     try:
-        other = OmegaConf.from_dotlist(layer) if isinstance(layer, list) else layer
-        return OmegaConf.merge(base, other)
+        return OmegaConf.merge(base, layer)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or "?"
         raise ConfigError(f"{origin}: bad value for '{key}': {_first_line(exc)}. "
                           f"Check the key's spelling and type against spectrain/config.py "
                           f"(`spectrain show-config` prints every key with its default)") from exc
+
+
+def _leaf_keys(node: DictConfig, prefix: str = "") -> set[str]:
+    keys = set()
+    for key in node.keys():
+        full = f"{prefix}{key}"
+        if OmegaConf.is_missing(node, key):
+            continue
+        value = node[key]
+        keys |= _leaf_keys(value, f"{full}.") if isinstance(value, DictConfig) else {full}
+    return keys
 
 
 def _first_line(exc: Exception) -> str:
@@ -218,13 +228,21 @@ def load_config(recipe: str | None = None, overrides: list[str] | None = None) -
     """Load a recipe (default: the embedded tiny CPU recipe), apply overrides, validate."""
     cfg = OmegaConf.structured(SpecTrainConfig)
     path = resolve_recipe(recipe or DEFAULT_RECIPE)
-    for layer in _load_with_defaults(path):
-        cfg = _merge(cfg, layer, f"recipe {path}")
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override '{item}' must look like key=value, e.g. trainer.max_steps=10")
-    cfg = _merge(cfg, list(overrides or []), "command-line override")
-    missing = sorted(OmegaConf.missing_keys(cfg))
+    try:
+        layers = _load_with_defaults(path) + [OmegaConf.from_dotlist(list(overrides or []))]
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"command-line overrides {overrides} cannot be parsed: {_first_line(exc)}") from exc
+    required: set[str] = set()
+    for i, layer in enumerate(layers):
+        origin = f"recipe {path}" if i < len(layers) - 1 else "command-line override"
+        cfg = _merge(cfg, layer, origin)
+        # omegaconf keeps the old value when merging `???` onto it, so track required keys per layer
+        marked = set(OmegaConf.missing_keys(layer))
+        required = (required - _leaf_keys(layer)) | marked
+    missing = sorted(required | set(OmegaConf.missing_keys(cfg)))
     if missing:
         raise ConfigError(f"required values are missing (???): {missing}; set them in the recipe "
                           f"or on the command line, e.g. {missing[0]}=...")
@@ -290,7 +308,6 @@ def validate(c: SpecTrainConfig) -> None:
              f"{par.pp} stages but the policy has only {p.num_hidden_layers} layers; lower parallel.pp")
     _one_of(par.pp_schedule, "parallel.pp_schedule", ("GPipe", "1F1B", "Interleaved1F1B"))
     _one_of(c.speculation.mode, "speculation.mode", ("fixed", "concurrency", "bandit"))
-    _one_of(c.speculation.long_tail.mode, "speculation.long_tail.mode", ("off", "on"))
     _require(0 <= c.speculation.bandit.epsilon <= 1, "speculation.bandit.epsilon", "must be in [0, 1]")
     _one_of(c.trainer.resume, "trainer.resume", ("auto", "never"))
     _one_of(c.trainer.logger, "trainer.logger", ("csv", "tensorboard"))

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import datetime
 import io
-import os
 import queue
 import socket
 import time
@@ -48,7 +47,6 @@ def _loads(data: bytes) -> Any:
 def _entry(rank: int, world_size: int, port: int, timeout: float, fn, args, results) -> None:
     try:
         torch.set_num_threads(1)
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         dist.init_process_group(
             "gloo",
             init_method=f"tcp://127.0.0.1:{port}",
@@ -99,7 +97,8 @@ def run_distributed(
                         f"distributed test timed out after {timeout}s; ranks without a result: "
                         f"{sorted(set(range(world_size)) - set(outputs))}"
                     ) from None
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outputs]
+                dead = [r for r, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and r not in outputs]
                 if dead:
                     raise RuntimeError(f"worker(s) {dead} died without reporting (exit codes "
                                        f"{[procs[r].exitcode for r in dead]})")

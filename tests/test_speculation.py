@@ -136,6 +136,7 @@ def test_vllm_dynamic_speculative_config():
         vllm_dynamic_speculative_config([(2, 4, 2)])
 
 
+@pytest.mark.vllm  # imports vLLM (~20 s), starts no engine
 def test_schedule_passes_vllm_validation():
     """vLLM 0.32 validates the schedule when the Scheduler is built
     (vllm/v1/core/sched/scheduler.py:309-314 -> build_dynamic_sd_schedule_lookup in
@@ -192,21 +193,26 @@ def test_bandit_untried_first_in_order():
     assert all(r != "untried" for _, r in run_bandit(sel, 50, random.Random(1)))
 
 
-def test_bandit_finds_best_arm_and_explores_at_epsilon():
-    sel = BanditSelector(ARMS, epsilon=0.1, window=300, seed=123)
-    picks = run_bandit(sel, 2000, random.Random(7))
-    exploit_after_100 = [a.num_speculative_tokens for a, r in picks[100:] if r == "exploit"]
-    assert set(exploit_after_100) == {4}  # best median, despite k=0's spikes
+@pytest.mark.parametrize("seed", range(8))
+def test_bandit_finds_best_arm_and_explores_at_epsilon(seed):
+    sel = BanditSelector(ARMS, epsilon=0.1, window=300, seed=seed)
+    picks = run_bandit(sel, 2000, random.Random(1000 + seed))
+    # epsilon-greedy can sit on the runner-up (k6) while k4's first samples are low; within
+    # 300 steps it has always moved (worst of 500 seeds: step 206)
+    exploit_after_300 = [a.num_speculative_tokens for a, r in picks[300:] if r == "exploit"]
+    assert set(exploit_after_300) == {4}  # best median, despite k=0's spikes
     explore_frac = sum(r == "explore" for _, r in picks) / len(picks)
     assert abs(explore_frac - 0.1) <= 0.03, explore_frac
     assert sel.median_reward(SpecArm(4), 8) == pytest.approx(250.0, abs=15.0)
 
 
-def test_bandit_finds_best_quickly():
-    sel = BanditSelector(ARMS, epsilon=0.1, seed=5)
-    picks = run_bandit(sel, 60, random.Random(11))
-    assert [a.num_speculative_tokens for a, r in picks[20:] if r == "exploit"] != []
-    assert {a.num_speculative_tokens for a, r in picks[20:] if r == "exploit"} == {4}
+@pytest.mark.parametrize("seed", range(8))
+def test_bandit_min_plays_finds_best_quickly(seed):
+    """Three initial plays per arm make a misleading first sample rare (worst of 300 seeds: 80)."""
+    sel = BanditSelector(ARMS, epsilon=0.1, seed=seed, min_plays=3)
+    picks = run_bandit(sel, 150, random.Random(7 + seed))
+    assert [r for _, r in picks[:12]] == ["untried"] * 12
+    assert {a.num_speculative_tokens for a, r in picks[100:] if r == "exploit"} == {4}
 
 
 def test_bandit_epsilon_zero_and_one():
@@ -280,6 +286,8 @@ def test_bandit_errors():
         BanditSelector([SpecArm(2), SpecArm(2)])
     with pytest.raises(ValueError, match="epsilon must be <= 1.0"):
         BanditSelector(ARMS, epsilon=1.5)
+    with pytest.raises(ValueError, match=r"min_plays \(5\) must be <= window \(4\)"):
+        BanditSelector(ARMS, window=4, min_plays=5)
     with pytest.raises(ValueError, match=">= 0"):
         SpecArm(-1)
     sel = BanditSelector(ARMS, [BatchBucket(1, 8, tuple(ARMS))])
@@ -420,7 +428,8 @@ def test_measure_forward_time_real_callable():
 
 def test_long_tail_thresholds():
     on = LongTailPolicy(threshold=4, mode="on")
-    assert [on.should_train(b) for b in (0, 1, 3, 4, 5, 64)] == [False, True, True, False, False, False]
+    got = [on.should_train(b) for b in (0, 1, 3, 4, 5, 64)]
+    assert got == [False, True, True, False, False, False]
     assert on.in_long_tail(3) and not on.in_long_tail(0)
     off = LongTailPolicy(threshold=4, mode="off")
     assert not any(off.should_train(b) for b in range(0, 10))

@@ -1,4 +1,4 @@
-"""Zigzag CP layout: chunk assignment, padding, shard/unshard, shift plans, errors (single process)."""
+"""Zigzag CP layout: chunks, padding, shard/unshard, shift plans, errors (single process)."""
 
 import pytest
 import torch
@@ -48,7 +48,8 @@ def test_padding_and_cover(cp):
         doc_len = torch.tensor(LENS)[lay.doc_ids]
         assert torch.equal(lay.valid, lay.position_ids < doc_len)
         real = lay.valid
-        assert torch.equal(lay.global_index[real], cu.long()[lay.doc_ids[real]] + lay.position_ids[real])
+        expected = cu.long()[lay.doc_ids[real]] + lay.position_ids[real]
+        assert torch.equal(lay.global_index[real], expected)
         assert (lay.global_index[~real] == -1).all()
     # every real token is held by exactly one rank
     held = torch.cat([lay.global_index[lay.valid] for lay in layouts])
@@ -130,7 +131,7 @@ def test_errors_name_the_fix():
         ZigzagLayout.build(cu, 0, 0)
     with pytest.raises(ValueError, match="cp_rank"):
         ZigzagLayout.build(cu, 2, 2)
-    with pytest.raises(ValueError, match=r"document 2 .* padded to 64 .* raise max_seqlen to >= 64"):
+    with pytest.raises(ValueError, match=r"document 2 .* padded to 64 .* max_seqlen to >= 64"):
         ZigzagLayout.build(cu, 4, 0, max_seqlen=63)
     with pytest.raises(ValueError, match=r"padded to 40 .*max_seqlen=39"):
         ZigzagLayout.build(cu_of([37]), 4, 0, max_seqlen=39)

@@ -83,11 +83,45 @@ class _Halves:
             )
         half = lens // 2
         cu_half = cu_seqlens // 2
-        doc = torch.repeat_interleave(
-            torch.arange(len(half), device=cu_seqlens.device), half, output_size=total // 2
-        )
-        front = cu_seqlens[doc].long() + torch.arange(total // 2, device=cu_seqlens.device) - cu_half[doc]
+        dev = cu_seqlens.device
+        n = total // 2
+        doc = torch.repeat_interleave(torch.arange(len(half), device=dev), half, output_size=n)
+        front = cu_seqlens[doc].long() + torch.arange(n, device=dev) - cu_half[doc]
         return cls(front=front, back=front + half[doc], cu_half=cu_half)
+
+
+@dataclass(frozen=True)
+class _Step:
+    """Rows of the local queries and of the held K/V that meet at one ring step.
+
+    ``None`` means all rows; ``cu_q`` / ``cu_k`` describe the selected rows.
+    """
+
+    q_rows: Tensor | None
+    kv_rows: Tensor | None
+    cu_q: Tensor
+    cu_k: Tensor
+    causal: bool
+
+    @classmethod
+    def plan(cls, step: int, rank: int, cu_seqlens: Tensor, h: _Halves) -> "_Step":
+        if step == 0:
+            return cls(None, None, cu_seqlens, cu_seqlens, True)
+        if step <= rank:  # K/V of an earlier rank: all queries see its front chunk only
+            return cls(None, h.front, cu_seqlens, h.cu_half, False)
+        # K/V of a later rank: only our back chunk sees it, all of it
+        return cls(h.back, None, h.cu_half, cu_seqlens, False)
+
+
+def _rows(x: Tensor, rows: Tensor | None, dim: int = 0) -> Tensor:
+    return x if rows is None else x.index_select(dim, rows)
+
+
+def _add_rows(acc: Tensor, rows: Tensor | None, x: Tensor, dim: int = 0) -> None:
+    if rows is None:
+        acc += x
+    else:
+        acc.index_add_(dim, rows, x.to(acc.dtype))
 
 
 class ZigzagRingAttentionOps:
@@ -104,10 +138,13 @@ class ZigzagRingAttentionOps:
         self.world = dist.get_world_size(group)
         self.local_ops = LocalAttentionOps() if local_ops is None else local_ops
 
-    def _check(self, q, k, v, cu_seqlens_q, cu_seqlens_k, causal) -> _Halves:
+    def _halves(self, q, k, v, cu_seqlens_q, cu_seqlens_k, causal) -> _Halves:
         if not causal:
-            raise ValueError("zigzag ring attention is causal-only (the zigzag split exists for causal balance)")
-        assert q.dim() == 3 and k.shape == v.shape and k.shape[0] == q.shape[0], (q.shape, k.shape, v.shape)
+            raise ValueError(
+                "zigzag ring attention is causal-only; use LocalAttentionOps for non-causal"
+            )
+        assert q.dim() == 3 and k.shape == v.shape, (q.shape, k.shape, v.shape)
+        assert k.shape[0] == q.shape[0], (q.shape, k.shape)
         assert q.shape[2] == k.shape[2] and q.shape[1] % k.shape[1] == 0, (q.shape, k.shape)
         assert cu_seqlens_q is cu_seqlens_k or torch.equal(cu_seqlens_q, cu_seqlens_k), (
             "causal attention needs the same cu_seqlens for q and k"
@@ -116,22 +153,23 @@ class ZigzagRingAttentionOps:
 
     def forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale=None):
         """``(out [T, Hq, D] in q.dtype, lse [T, Hq])`` of the local queries vs all ranks' keys."""
-        h = self._check(q, k, v, cu_seqlens_q, cu_seqlens_k, causal)
-        cu, ops, comm = cu_seqlens_q, self.local_ops, _RingComm(self.group)
+        h = self._halves(q, k, v, cu_seqlens_q, cu_seqlens_k, causal)
+        comm = _RingComm(self.group)
         kv = torch.stack([k, v])
         out = lse = None
         for step in range(self.world):
             if step + 1 < self.world:
                 next_kv = comm.send_recv(kv)
-            if step == 0:
-                out, lse = merge_attn(None, None, *ops.forward(q, k, v, cu, cu, True, scale))
-            elif step <= self.rank:
-                kf, vf = kv[:, h.front].unbind(0)
-                out, lse = merge_attn(out, lse, *ops.forward(q, kf, vf, cu, h.cu_half, False, scale))
+            st = _Step.plan(step, self.rank, cu_seqlens_q, h)
+            kv_s = _rows(kv, st.kv_rows, dim=1)
+            block = self.local_ops.forward(
+                _rows(q, st.q_rows), kv_s[0], kv_s[1], st.cu_q, st.cu_k, st.causal, scale
+            )
+            if st.q_rows is None:
+                out, lse = merge_attn(out, lse, *block)
             else:
-                block = ops.forward(q[h.back], kv[0], kv[1], h.cu_half, cu, False, scale)
-                out_b, lse_b = merge_attn(out[h.back], lse[h.back], *block)
-                out, lse = out.index_copy(0, h.back, out_b), lse.index_copy(0, h.back, lse_b)
+                out_m, lse_m = merge_attn(out[st.q_rows], lse[st.q_rows], *block)
+                out, lse = out.index_copy(0, st.q_rows, out_m), lse.index_copy(0, st.q_rows, lse_m)
             if step + 1 < self.world:
                 comm.wait()
                 kv = next_kv
@@ -139,8 +177,7 @@ class ZigzagRingAttentionOps:
 
     def backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale=None):
         """``(dq, dk, dv)`` for the local shards; ``(out, lse)`` are the joint statistics."""
-        h = self._check(q, k, v, cu_seqlens_q, cu_seqlens_k, causal)
-        cu, ops = cu_seqlens_q, self.local_ops
+        h = self._halves(q, k, v, cu_seqlens_q, cu_seqlens_k, causal)
         kv_comm, dkv_comm = _RingComm(self.group), _RingComm(self.group)
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         kv = torch.stack([k, v])
@@ -148,29 +185,20 @@ class ZigzagRingAttentionOps:
         for step in range(self.world):
             if step + 1 < self.world:
                 next_kv = kv_comm.send_recv(kv)
-            # This step's part of dk/dv for the K/V we hold, as [2, T, Hkv, D] in `acc`.
+            st = _Step.plan(step, self.rank, cu_seqlens_q, h)
+            kv_s, r = _rows(kv, st.kv_rows, dim=1), st.q_rows
+            dq_b, dk_b, dv_b = self.local_ops.backward(
+                _rows(dout, r), _rows(q, r), kv_s[0], kv_s[1], _rows(out, r), _rows(lse, r),
+                st.cu_q, st.cu_k, st.causal, scale,
+            )
+            _add_rows(dq, r, dq_b)
+            # dK/dV of the held K/V: add our part to the accumulator that arrived with it.
             if step == 0:
-                dq_b, dk_b, dv_b = ops.backward(dout, q, k, v, out, lse, cu, cu, True, scale)
-                dq += dq_b
-                block = torch.stack([dk_b, dv_b]).to(acc)
-            elif step <= self.rank:
-                kf, vf = kv[:, h.front].unbind(0)
-                dq_b, dk_b, dv_b = ops.backward(dout, q, kf, vf, out, lse, cu, h.cu_half, False, scale)
-                dq += dq_b
-                block = torch.zeros(kv.shape, dtype=acc, device=kv.device)
-                block[:, h.front] = torch.stack([dk_b, dv_b]).to(acc)
-            else:
-                b = h.back
-                dq_b, dk_b, dv_b = ops.backward(
-                    dout[b], q[b], kv[0], kv[1], out[b], lse[b], h.cu_half, cu, False, scale
-                )
-                dq.index_add_(0, b, dq_b.to(acc))
-                block = torch.stack([dk_b, dv_b]).to(acc)
-            if step == 0:
-                dkv = block
+                dkv = torch.stack([dk_b, dv_b]).to(acc)
             else:
                 dkv_comm.wait()
-                dkv = next_dkv + block
+                dkv = next_dkv
+                _add_rows(dkv, st.kv_rows, torch.stack([dk_b, dv_b]), dim=1)
             if step + 1 < self.world:
                 kv_comm.wait()
                 kv = next_kv

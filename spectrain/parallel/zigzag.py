@@ -25,7 +25,7 @@ from torch import Tensor
 __all__ = ["ZigzagLayout", "ShiftPlan", "shard", "unshard", "gather_unshard", "shift_left"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ZigzagLayout:
     """Where each local token of one CP rank comes from. Build with :meth:`build`.
 
@@ -202,7 +202,7 @@ def gather_unshard(x: Tensor, layout: ZigzagLayout, group: dist.ProcessGroup) ->
     return unshard(shards, layout)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ShiftPlan:
     """Rows moved by ``shift_left``: local copies plus one send/recv list per peer rank.
 
@@ -222,15 +222,15 @@ class ShiftPlan:
     def build(cls, layout: ZigzagLayout, shift: int) -> "ShiftPlan":
         cu = layout.cu_seqlens.cpu()
         lens = cu.diff()
-        chunk = (cu.diff() + 2 * layout.cp_size - 1) // (2 * layout.cp_size)
+        chunk = (lens + 2 * layout.cp_size - 1) // (2 * layout.cp_size)
         cu_local = layout.cu_seqlens_local.cpu().long()
         device = layout.position_ids.device
 
         def sources(rank: int) -> tuple[Tensor, Tensor, Tensor]:
             """For ``rank``: its rows with a target, the target's owner rank and row."""
             doc_ids, pos = _local_positions(chunk, cu_local, layout.cp_size, rank)
-            target = pos + shift
-            rows = torch.nonzero((target >= 0) & (target < lens[doc_ids])).flatten()
+            target, n = pos + shift, lens[doc_ids]
+            rows = torch.nonzero((pos < n) & (target >= 0) & (target < n)).flatten()
             owner, src = _owner(target[rows], doc_ids[rows], chunk, cu_local, layout.cp_size)
             return rows, owner, src
 

@@ -112,7 +112,8 @@ class ConcurrencyAwareRule:
         fix_c = " Run `spectrain bench calibrate` (calibrate_verify_budget) to measure it."
         self.verify_budget = _check_int("verify_budget", verify_budget, 1, fix_c)
         self.k_max = _check_int(
-            "k_max", k_max, 1, " For no speculation use speculation.mode=fixed with speculation.k=0."
+            "k_max", k_max, 1,
+            " For no speculation use speculation.mode=fixed with speculation.k=0.",
         )
         self.n_max = _check_int("n_max", n_max, 1, " For a chain draft use n_max = k_max + 1.")
         self.c = _check_float("c", c, lo=0.0, lo_open=True)
@@ -244,7 +245,9 @@ class BatchBucket:
         if self.hi is not None:
             _check_int("BatchBucket.hi", self.hi, self.lo)
         if not self.arms:
-            raise ValueError(f"Bucket {self.lo}..{self.hi} has no eligible arms; list at least one.")
+            raise ValueError(
+                f"Bucket {self.lo}..{self.hi} has no eligible arms; list at least one."
+            )
         object.__setattr__(self, "arms", tuple(self.arms))
 
     def contains(self, batch_size: int) -> bool:
@@ -271,7 +274,8 @@ def buckets_by_verify_budget(
     for i, lo in enumerate(bounds):
         hi = bounds[i + 1] - 1 if i + 1 < len(bounds) else None
         fit = tuple(
-            a for a in arms if a.num_speculative_tokens == 0 or lo * a.verify_tokens <= verify_budget
+            a for a in arms
+            if a.num_speculative_tokens == 0 or lo * a.verify_tokens <= verify_budget
         )
         buckets.append(BatchBucket(lo, hi, fit or (min(arms, key=lambda a: a.verify_tokens),)))
     return buckets
@@ -296,10 +300,11 @@ class BanditSelector:
 
     Statistics are kept per (bucket, arm): rewards (tokens/s) scale with the batch, so only
     arms measured at similar batch sizes are compared. Within a bucket, untried arms are
-    played first (in the order given), then with probability ``epsilon`` a uniformly random
-    eligible arm ("explore"), else the arm with the best median reward over its last
-    ``window`` rewards ("exploit"; ties go to the earlier arm). The median shrugs off the
-    odd slow step (a weight sync, a preemption).
+    played first (in the order given, ``min_plays`` times each), then with probability
+    ``epsilon`` a uniformly random eligible arm ("explore"), else the arm with the best median
+    reward over its last ``window`` rewards ("exploit"; ties go to the earlier arm). The
+    median shrugs off the odd slow step (a weight sync, a preemption); the window lets the
+    choice follow a drifting policy and draft.
 
     Args:
         arms: the configs, e.g. ``[SpecArm(0), SpecArm(2), SpecArm(4)]``.
@@ -309,6 +314,8 @@ class BanditSelector:
         window: rewards kept per (bucket, arm) for the median.
         seed: seeds the selector's own RNG (saved in :meth:`state_dict`).
         history_size: most recent decisions kept in :attr:`history` (for logging).
+        min_plays: plays an arm gets in a bucket before it leaves "untried"; more than 1
+            makes a noisy first sample less likely to bury the best arm for long.
     """
 
     REASONS = ("untried", "explore", "exploit")
@@ -321,11 +328,15 @@ class BanditSelector:
         window: int = 300,
         seed: int = 0,
         history_size: int = 10_000,
+        min_plays: int = 1,
     ) -> None:
         self.arms = self._validate_arms(arms)
         self.buckets = self._validate_buckets(buckets)
         self.epsilon = _check_float("epsilon", epsilon, lo=0.0, lo_open=False, hi=1.0)
         self.window = _check_int("window", window, 1)
+        self.min_plays = _check_int("min_plays", min_plays, 1)
+        if self.min_plays > self.window:
+            raise ValueError(f"min_plays ({min_plays}) must be <= window ({window}).")
         self._index = {a: i for i, a in enumerate(self.arms)}
         self._rng = random.Random(seed)
         nb, na = len(self.buckets), len(self.arms)
@@ -333,7 +344,8 @@ class BanditSelector:
         self._counts = [[0] * na for _ in range(nb)]
         self.step = 0
         self._pending: dict[str, Any] | None = None
-        self.history: deque[dict[str, Any]] = deque(maxlen=_check_int("history_size", history_size, 1))
+        history_size = _check_int("history_size", history_size, 1)
+        self.history: deque[dict[str, Any]] = deque(maxlen=history_size)
 
     # -- construction ---------------------------------------------------------
 
@@ -341,7 +353,9 @@ class BanditSelector:
     def _validate_arms(arms: Sequence[SpecArm]) -> tuple[SpecArm, ...]:
         arms = tuple(arms)
         if not arms:
-            raise ValueError("arms is empty; list at least one SpecArm (e.g. SpecArm(0), SpecArm(3)).")
+            raise ValueError(
+                "arms is empty; list at least one SpecArm (e.g. SpecArm(0), SpecArm(3))."
+            )
         bad = [a for a in arms if not isinstance(a, SpecArm)]
         if bad:
             raise TypeError(f"arms must be SpecArm instances, got {bad!r}.")
@@ -393,7 +407,7 @@ class BanditSelector:
         """Pick the config for a step with ``batch_size`` live sequences; returns (arm, reason)."""
         bi = self.bucket_index(batch_size)
         eligible = self.buckets[bi].arms
-        untried = [a for a in eligible if self._counts[bi][self._index[a]] == 0]
+        untried = [a for a in eligible if self._counts[bi][self._index[a]] < self.min_plays]
         if untried:
             arm, reason = untried[0], "untried"
         elif self._rng.random() < self.epsilon:
@@ -424,7 +438,7 @@ class BanditSelector:
         self._rewards[bi][ai].append(reward)
         self._counts[bi][ai] += 1
         pending = self._pending
-        if pending is not None and pending["arm"] == arm.name and pending["batch_size"] == batch_size:
+        if pending and pending["arm"] == arm.name and pending["batch_size"] == batch_size:
             self.history.append({**pending, "reward": reward})
             self._pending = None
         else:
@@ -435,7 +449,8 @@ class BanditSelector:
         try:
             return self._index[arm]
         except KeyError:
-            raise ValueError(f"Unknown arm {arm!r}; known: {[a.name for a in self.arms]}.") from None
+            known = [a.name for a in self.arms]
+            raise ValueError(f"Unknown arm {arm!r}; known: {known}.") from None
 
     def counts(self) -> dict[str, dict[str, int]]:
         """Plays per bucket and arm, for logging: ``{"1-8": {"k3": 12, ...}, ...}``."""
@@ -455,7 +470,9 @@ class BanditSelector:
         version, internal, gauss = self._rng.getstate()
         return {
             "arms": [a.num_speculative_tokens for a in self.arms],
-            "buckets": [[b.lo, b.hi, [a.num_speculative_tokens for a in b.arms]] for b in self.buckets],
+            "buckets": [
+                [b.lo, b.hi, [a.num_speculative_tokens for a in b.arms]] for b in self.buckets
+            ],
             "epsilon": self.epsilon,
             "window": self.window,
             "rewards": [[list(w) for w in row] for row in self._rewards],
@@ -467,7 +484,11 @@ class BanditSelector:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore; the arms and buckets must match this selector's configuration."""
+        """Restore the learned state; arms and buckets must match this selector's.
+
+        ``epsilon``, ``window`` and ``min_plays`` stay as configured (a resumed run may change
+        them; windows keep their newest ``window`` rewards).
+        """
         mine = self.state_dict()
         for key in ("arms", "buckets"):
             if [list(x) if isinstance(x, (list, tuple)) else x for x in state[key]] != mine[key]:
@@ -475,8 +496,6 @@ class BanditSelector:
                     f"Checkpoint {key} {state[key]} differ from this selector's {mine[key]}; "
                     "build the selector with the same speculation.bandit.arms and buckets."
                 )
-        self.epsilon = float(state["epsilon"])
-        self.window = int(state["window"])
         self._rewards = [[deque(w, maxlen=self.window) for w in row] for row in state["rewards"]]
         self._counts = [list(row) for row in state["counts"]]
         self.step = int(state["step"])
@@ -616,7 +635,9 @@ class LongTailPolicy:
     ``mode`` accepts YAML booleans too (YAML reads an unquoted ``off`` as False).
     """
 
-    def __init__(self, threshold: int, mode: str | bool = "off", max_steps: int | None = None) -> None:
+    def __init__(
+        self, threshold: int, mode: str | bool = "off", max_steps: int | None = None
+    ) -> None:
         if isinstance(mode, bool):
             mode = "on" if mode else "off"
         if mode not in ("off", "on"):
@@ -631,7 +652,10 @@ class LongTailPolicy:
         )
 
     def __repr__(self) -> str:
-        return f"LongTailPolicy(threshold={self.threshold}, mode={self.mode!r}, max_steps={self.max_steps})"
+        return (
+            f"LongTailPolicy(threshold={self.threshold}, mode={self.mode!r}, "
+            f"max_steps={self.max_steps})"
+        )
 
     def in_long_tail(self, live_batch_size: int) -> bool:
         """True while some, but fewer than ``threshold``, sequences are still generating."""

@@ -1,0 +1,54 @@
+"""`AcceptanceLengthLogger`: per-step speculative-decoding metrics from vLLM's counters."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from lightning.pytorch.callbacks import Callback
+
+from spectrain.plots import plot_panels
+
+
+class AcceptanceLengthLogger(Callback):
+    """Logs the rollout's deltas of vLLM's spec-decode counters and plots them per step.
+
+    Metrics: `spec/mean_acceptance_length` (1 + accepted/drafts: tokens per target forward),
+    `spec/acceptance_rate` (accepted/drafted tokens), `spec/pos_{k}_rate` (fraction of drafts
+    whose k-th token was accepted). The plot lands in `plot_path` (default: the run dir).
+    """
+
+    def __init__(self, plot_path: str | None = None) -> None:
+        self.plot_path = plot_path
+        self.history: list[dict] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        spec = pl_module.rollout_stats.spec
+        if spec.num_drafts == 0:
+            return
+        row = {"step": trainer.global_step, "mean_acceptance_length": spec.mean_acceptance_length,
+               "acceptance_rate": spec.acceptance_rate}
+        row.update({f"pos_{k}_rate": r for k, r in enumerate(spec.per_position_rates)})
+        self.history.append(row)
+        metrics = {f"spec/{k}": v for k, v in row.items() if k != "step"}
+        pl_module.log_dict(metrics, on_step=True, batch_size=1)
+        pl_module.log("accept_len", spec.mean_acceptance_length, prog_bar=True, on_step=True, batch_size=1,
+                      logger=False)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.history:
+            path = Path(self.plot_path or Path(trainer.default_root_dir) / "acceptance_length.png")
+            self.plot(path)
+
+    def plot(self, path: Path) -> Path:
+        steps = [r["step"] for r in self.history]
+        positions = sorted(k for k in self.history[-1] if k.startswith("pos_"))
+        return plot_panels(path, "speculative decoding per step", [
+            ("mean acceptance length", {"acceptance length": (steps, [r["mean_acceptance_length"] for r in self.history])}),
+            ("acceptance rate by draft position", {
+                k.removesuffix("_rate"): (steps, [r.get(k, 0.0) for r in self.history]) for k in positions}),
+        ])
+
+    def state_dict(self) -> dict:
+        return {"history": self.history}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.history = list(state_dict["history"])

@@ -1,0 +1,53 @@
+"""`RunHistory`: step time, a per-step record of the logged metrics, and the run's plots."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from lightning.pytorch.callbacks import Callback
+
+from spectrain.plots import plot_panels
+
+
+class RunHistory(Callback):
+    """Place it last: its step time then covers rollout, policy, draft and weight sync.
+
+    Keeps one dict of scalar metrics per step (checkpointed, so a resumed run plots its
+    whole history) and draws reward, acceptance length and step time per step at the end.
+    """
+
+    def __init__(self, plot_path: str | None = None) -> None:
+        self.plot_path = plot_path
+        self.history: list[dict] = []
+        self._started = 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._started = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step_time = time.perf_counter() - self._started
+        pl_module.log("time/step", step_time, prog_bar=True, on_step=True, batch_size=1)
+        row = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
+        row.update({"step": trainer.global_step, "time/step": step_time})
+        self.history.append(row)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.history:
+            self.plot(Path(self.plot_path or Path(trainer.default_root_dir) / "training.png"))
+
+    def column(self, key: str) -> tuple[list[int], list[float]]:
+        rows = [r for r in self.history if key in r]
+        return [r["step"] for r in rows], [r[key] for r in rows]
+
+    def plot(self, path: Path) -> Path:
+        panels = [("mean reward (train rollouts)", {"reward": self.column("reward")})]
+        if self.column("spec/mean_acceptance_length")[0]:
+            panels.append(("mean acceptance length", {"vLLM": self.column("spec/mean_acceptance_length")}))
+        panels.append(("seconds", {"step": self.column("time/step"), "rollout": self.column("rollout/seconds")}))
+        return plot_panels(path, "spectrain run", panels)
+
+    def state_dict(self) -> dict:
+        return {"history": self.history}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.history = list(state_dict["history"])

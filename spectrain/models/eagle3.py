@@ -1,0 +1,435 @@
+"""The EAGLE-3 draft, co-trained from the policy's own hidden states (REFERENCE.md 2-3).
+
+Parameter names, the midlayer's data flow and the checkpoint format are those of vLLM's
+`Eagle3LlamaForCausalLM` (vllm/model_executor/models/llama_eagle3.py), so a trained draft
+is exported once and then synced into a live engine by name. The draft has no embedding
+of its own: like vLLM with a checkpoint without `embed_tokens`, it reads the policy's.
+
+Training uses the training-time-test (TTT) unroll: K passes over the packed batch, pass d
+at anchor i playing the d-th speculative step from position i, with branch attention
+(`ttt_attention`) so that memory stays O(T * K).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from spectrain.models.llama import (
+    Attention,
+    LlamaConfig,
+    RMSNorm,
+    SwiGLU,
+    default_aux_layer_ids,
+    rope_cos_sin,
+)
+from spectrain.ops.ttt_attention import ttt_attention
+
+_WEIGHTS = "model.safetensors"
+
+# shift_fn(x, cu_seqlens, shift, fill): row i of the result is x[i + shift] of the same document.
+ShiftFn = Callable[[torch.Tensor, torch.Tensor, int, float], torch.Tensor]
+
+
+@dataclass
+class Eagle3Config:
+    """Architecture of the draft; names match vLLM's EAGLE-3 `config.json`.
+
+    `aux_layer_ids` is kept sorted: vLLM captures the aux states in layer order whatever
+    order the config lists them in, and `fc` must see them in that order.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layer_ids: tuple[int, ...]
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 256
+    initializer_range: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        ids = tuple(int(i) for i in self.aux_layer_ids)
+        if len(set(ids)) != len(ids) or not ids:
+            raise ValueError(f"aux_layer_ids={ids} must be distinct and non-empty: vLLM "
+                             "captures each layer once, so duplicates break the fc input size")
+        self.aux_layer_ids = tuple(sorted(ids))
+        if self.hidden_size != self.target_hidden_size:
+            raise ValueError(
+                f"draft hidden_size={self.hidden_size} must equal target_hidden_size="
+                f"{self.target_hidden_size}: the draft shares the policy's embeddings")
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size={self.draft_vocab_size} must be in "
+                             f"1..vocab_size={self.vocab_size}")
+
+    @classmethod
+    def from_policy(
+        cls,
+        policy: LlamaConfig,
+        draft_vocab_size: int | None = None,
+        aux_layer_ids: Sequence[int] | None = None,
+        intermediate_size: int | None = None,
+    ) -> "Eagle3Config":
+        """A draft sized like one layer of `policy`, reading its embeddings and aux states.
+
+        Default aux ids are vLLM's `(2, n//2, n-3)`; for policies too shallow for three
+        distinct ones, `(1, n//2, n-1)`.
+        """
+        n = policy.num_hidden_layers
+        if aux_layer_ids is None:
+            aux_layer_ids = default_aux_layer_ids(n)
+            if len(set(aux_layer_ids)) < 3 or min(aux_layer_ids) < 0:
+                aux_layer_ids = (1, n // 2, n - 1)
+        if max(aux_layer_ids) >= n or min(aux_layer_ids) < 0:
+            raise ValueError(f"aux_layer_ids={tuple(aux_layer_ids)} must be in 0..{n - 1} "
+                             f"(the policy has {n} layers)")
+        return cls(
+            hidden_size=policy.hidden_size,
+            intermediate_size=intermediate_size or policy.intermediate_size,
+            num_attention_heads=policy.num_attention_heads,
+            num_key_value_heads=policy.num_key_value_heads,
+            head_dim=policy.head_dim,
+            vocab_size=policy.vocab_size,
+            draft_vocab_size=draft_vocab_size or policy.vocab_size,
+            target_hidden_size=policy.hidden_size,
+            aux_layer_ids=tuple(aux_layer_ids),
+            rms_norm_eps=policy.rms_norm_eps,
+            rope_theta=policy.rope_theta,
+            max_position_embeddings=policy.max_position_embeddings,
+            initializer_range=policy.initializer_range,
+        )
+
+    def attention_config(self) -> LlamaConfig:
+        """The Llama view `Attention` is built from (vLLM's drafter is plain Llama: no qk-norm)."""
+        return LlamaConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_hidden_layers=1,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
+            max_position_embeddings=self.max_position_embeddings,
+        )
+
+
+class Eagle3Midlayer(nn.Module):
+    """vLLM's EAGLE-3 `layers.0` (`midlayer.*` in the checkpoint); attention takes 2H inputs."""
+
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg.attention_config(), input_size=2 * cfg.hidden_size)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Eagle3Draft(nn.Module):
+    """EAGLE-3 draft head: `fc` over the aux states, one midlayer, final norm, draft-vocab head.
+
+    Buffers: `d2t [draft_vocab]` (target id = draft id + d2t[draft id]) and `t2d [vocab]`
+    (bool mask of the target ids in the draft vocab).
+    """
+
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.fc = nn.Linear(len(cfg.aux_layer_ids) * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = Eagle3Midlayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        d2t, t2d = build_vocab_mapping(torch.ones(cfg.vocab_size), cfg.draft_vocab_size)
+        self.register_buffer("d2t", d2t)
+        self.register_buffer("t2d", t2d)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for p in self.parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=self.cfg.initializer_range)
+
+    def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        assert d2t.shape == self.d2t.shape and t2d.shape == self.t2d.shape, (d2t.shape, t2d.shape)
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        aux_hidden: Sequence[torch.Tensor],
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        num_steps: int,
+        ops=None,
+        shift_fn: ShiftFn | None = None,
+    ) -> list[torch.Tensor]:
+        """TTT unroll: draft logits `[T, draft_vocab]` for passes 1..num_steps.
+
+        Args:
+            embeds: the policy's embedding output `[T, H]` (its `CausalLMOutput.embeds`),
+                i.e. `e(x_t)`; detached here, the draft never trains the policy.
+            aux_hidden: the policy's aux states `[T, H_target]`, one per `aux_layer_ids`
+                entry in that (sorted) order; detached here.
+            position_ids, cu_seqlens: the packed batch (RoPE positions of the tokens).
+            num_steps: K, the passes unrolled.
+            ops: attention ops of the causal trunk (local, or ring under CP).
+            shift_fn: document-local shift (`shift_within_docs`; CP passes its boundary
+                exchanging version).
+
+        Pass d at anchor i takes `cat(input_layernorm(e(x_{i+d})), hidden_norm(h^{d-1}_i))`
+        at RoPE position `pos_i + d - 1`, with `h^0 = fc(cat(aux))` and `h^d` the midlayer
+        output before the final norm (vLLM's next-step hidden state).
+        """
+        cfg, mid = self.cfg, self.midlayer
+        shift_fn = shift_fn or shift_within_docs
+        t = embeds.shape[0]
+        assert embeds.shape == (t, cfg.hidden_size), (embeds.shape, cfg.hidden_size)
+        assert position_ids.shape == (t,), (position_ids.shape, t)
+        assert num_steps >= 1, num_steps
+        embeds = embeds.detach()
+        hidden = self.combine_aux(aux_hidden)
+        keys, values, logits = [], [], []
+        for d in range(1, num_steps + 1):
+            next_embeds = shift_fn(embeds, cu_seqlens, d, 0.0)
+            cos, sin = rope_cos_sin(position_ids + (d - 1), cfg.head_dim, cfg.rope_theta, embeds.dtype)
+            x = torch.cat([mid.input_layernorm(next_embeds), mid.hidden_norm(hidden)], dim=-1)
+            q, k, v = mid.self_attn.project_qkv(x, cos, sin)
+            keys.append(k)
+            values.append(v)
+            attn = ttt_attention(q, keys, values, cu_seqlens, ops=ops)
+            residual = hidden + mid.self_attn.o_proj(attn.reshape(t, -1))
+            hidden = residual + mid.mlp(mid.post_attention_layernorm(residual))
+            logits.append(self.lm_head(self.norm(hidden)))
+        return logits
+
+    def combine_aux(self, aux_hidden: Sequence[torch.Tensor]) -> torch.Tensor:
+        """`fc(cat(aux))`, vLLM's `combine_hidden_states`: the draft's pass-1 hidden `[T, H]`."""
+        assert len(aux_hidden) == len(self.cfg.aux_layer_ids), (len(aux_hidden), self.cfg.aux_layer_ids)
+        for a in aux_hidden:
+            assert a.shape == (aux_hidden[0].shape[0], self.cfg.target_hidden_size), a.shape
+        return self.fc(torch.cat([a.detach() for a in aux_hidden], dim=-1))
+
+
+def shift_within_docs(x: torch.Tensor, cu_seqlens: torch.Tensor, shift: int, fill: float = 0) -> torch.Tensor:
+    """Row i of the result is `x[i + shift]` if that row is in i's document, else `fill`.
+
+    The single-rank version of the CP-aware shift (`spectrain.parallel.zigzag.shift_left`
+    has the same semantics on zigzag shards), so TTT never looks across a document.
+    """
+    n = x.shape[0]
+    cu = cu_seqlens.to(device=x.device, dtype=torch.long)
+    assert int(cu[-1]) == n, (int(cu[-1]), n)
+    lens = cu.diff()
+    src = torch.arange(n, device=x.device) + shift
+    valid = (src >= torch.repeat_interleave(cu[:-1], lens)) & (src < torch.repeat_interleave(cu[1:], lens))
+    out = x.new_full(x.shape, fill)
+    out[valid] = x[src[valid]]
+    return out
+
+
+def build_vocab_mapping(token_counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(d2t int64 [Vd], t2d bool [V])` for the `Vd` most frequent target tokens.
+
+    The kept ids are sorted so draft id order is target id order (`logits[:, t2d]` is then
+    in draft order); ties go to the lower id. `d2t[i] = used[i] - i`, vLLM's offset form.
+    """
+    assert token_counts.dim() == 1, token_counts.shape
+    vocab = token_counts.shape[0]
+    if not 0 < draft_vocab_size <= vocab:
+        raise ValueError(f"draft_vocab_size={draft_vocab_size} must be in 1..{vocab}")
+    order = torch.sort(token_counts.cpu().double(), descending=True, stable=True).indices
+    used = order[:draft_vocab_size].sort().values
+    d2t = used - torch.arange(draft_vocab_size)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[used] = True
+    return d2t.long(), t2d
+
+
+@dataclass
+class TTTMetrics:
+    """Per-pass sums `[K]` (all-reduce them across DP/CP ranks before dividing)."""
+
+    loss_sum: torch.Tensor  # soft cross-entropy summed over valid anchors
+    correct: torch.Tensor  # draft top-1 == policy top-1 (target ids)
+    count: torch.Tensor  # valid anchors
+
+    @property
+    def loss(self) -> torch.Tensor:
+        return self.loss_sum / self.count.clamp(min=1)
+
+    @property
+    def accuracy(self) -> torch.Tensor:
+        """Top-1 agreement with the policy: a proxy of the per-position acceptance rate."""
+        return self.correct / self.count.clamp(min=1)
+
+
+def ttt_loss(
+    draft_logits: Sequence[torch.Tensor],
+    teacher_logits: torch.Tensor,
+    response_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    t2d: torch.Tensor,
+    pass_decay: float = 0.8,
+    num_valid_tokens: torch.Tensor | float | None = None,
+    shift_fn: ShiftFn | None = None,
+) -> tuple[torch.Tensor, TTTMetrics]:
+    """Soft cross-entropy of each pass against the policy, restricted to the draft vocab.
+
+    Pass d at anchor i predicts token i+d+1: its teacher is `softmax(policy logits at i+d)`
+    over the draft vocab; it counts where i+d is in i's document and `response_mask[i+d]`
+    (position i+d predicts a response token). Pass d is weighted `pass_decay**(d-1)`.
+    The sum is divided by `num_valid_tokens`, the global count of valid pass-1 anchors
+    (default: the local one, `shift_within_docs(response_mask, cu_seqlens, 1).sum()`);
+    under DP/CP pass the all-reduced count so that summed gradients are the global mean.
+
+    Args:
+        draft_logits: K tensors `[T, Vd]` from `Eagle3Draft.forward`.
+        teacher_logits: policy logits `[T, V]`; detached here.
+        response_mask: `[T]`, nonzero where position t predicts a response token.
+        t2d: bool `[V]`, the draft vocabulary.
+    """
+    shift_fn = shift_fn or shift_within_docs
+    t, vocab = teacher_logits.shape
+    assert response_mask.shape == (t,), (response_mask.shape, t)
+    assert t2d.shape == (vocab,) and t2d.dtype == torch.bool, (t2d.shape, t2d.dtype)
+    used = torch.nonzero(t2d).flatten()  # draft id -> target id
+    teacher = teacher_logits.detach().to(torch.promote_types(teacher_logits.dtype, torch.float32))
+    restricted = teacher if used.numel() == vocab else teacher[:, used]
+    # One shift per pass: teacher probabilities, validity and policy top-1 travel together
+    # (target ids are exact in float32 below 2**24).
+    packed = torch.cat([
+        F.softmax(restricted, dim=-1),
+        (response_mask != 0).float()[:, None],
+        teacher.argmax(-1).float()[:, None],
+    ], dim=-1)
+    total = teacher.new_zeros(())
+    loss_sum, correct, count = [], [], []
+    for d, logits in enumerate(draft_logits, start=1):
+        assert logits.shape == (t, used.numel()), (logits.shape, t, used.numel())
+        shifted = shift_fn(packed, cu_seqlens, d, 0.0)
+        target_p, valid, policy_top1 = shifted[:, :-2], shifted[:, -2] > 0.5, shifted[:, -1].long()
+        ce = -(target_p * F.log_softmax(logits.to(teacher.dtype), dim=-1)).sum(-1)
+        ce = torch.where(valid, ce, 0.0)
+        if d == 1 and num_valid_tokens is None:
+            num_valid_tokens = valid.sum().clamp(min=1)
+        total = total + pass_decay ** (d - 1) * ce.sum()
+        agree = (used[logits.detach().argmax(-1)] == policy_top1) & valid
+        loss_sum.append(ce.detach().sum())
+        correct.append(agree.sum().float())
+        count.append(valid.sum().float())
+    metrics = TTTMetrics(torch.stack(loss_sum), torch.stack(correct), torch.stack(count))
+    return total / num_valid_tokens, metrics
+
+
+# export / import -------------------------------------------------------------------------
+def _checkpoint_tensors(draft: Eagle3Draft, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """What vLLM's `Eagle3LlamaForCausalLM.load_weights` takes, by checkpoint name.
+
+    `d2t` only when the draft vocab is smaller: with `Vd = V` vLLM has no
+    `draft_id_to_target_id` parameter and rejects the name.
+    """
+    tensors = {}
+    for name, p in draft.state_dict().items():
+        if name == "t2d" or (name == "d2t" and draft.cfg.draft_vocab_size == draft.cfg.vocab_size):
+            continue
+        tensors[name] = p.detach() if name == "d2t" else p.detach().to(dtype)
+    return tensors
+
+
+def draft_config_dict(cfg: Eagle3Config, policy_cfg: LlamaConfig, dtype: torch.dtype = torch.float32) -> dict:
+    """The vLLM EAGLE-3 `config.json`; checks that the draft fits `policy_cfg`."""
+    problems = []
+    if cfg.vocab_size != policy_cfg.vocab_size:
+        problems.append(f"vocab_size {cfg.vocab_size} != policy's {policy_cfg.vocab_size}")
+    if cfg.target_hidden_size != policy_cfg.hidden_size:
+        problems.append(f"target_hidden_size {cfg.target_hidden_size} != policy's {policy_cfg.hidden_size}")
+    if max(cfg.aux_layer_ids) >= policy_cfg.num_hidden_layers:
+        problems.append(f"aux_layer_ids {cfg.aux_layer_ids} beyond the policy's "
+                        f"{policy_cfg.num_hidden_layers} layers")
+    if problems:
+        raise ValueError("the draft does not fit the policy: " + "; ".join(problems))
+    fields = {f: getattr(cfg, f) for f in (
+        "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "rms_norm_eps", "rope_theta", "vocab_size", "draft_vocab_size", "target_hidden_size",
+        "initializer_range")}
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        **fields,
+        "num_hidden_layers": 1,
+        # vLLM sizes the drafter's rotary cache from it (must cover the target's positions)
+        "max_position_embeddings": max(cfg.max_position_embeddings, policy_cfg.max_position_embeddings),
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": policy_cfg.bos_token_id,
+        "eos_token_id": policy_cfg.eos_token_id,
+        "pad_token_id": policy_cfg.pad_token_id,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+                         "use_aux_hidden_state": True},
+    }
+
+
+def export_draft(draft: Eagle3Draft, out_dir: str | Path, policy_cfg: LlamaConfig,
+                 dtype: torch.dtype = torch.float32) -> Path:
+    """Write `config.json` + `model.safetensors` in the vLLM EAGLE-3 format.
+
+    No `embed_tokens` (vLLM then shares the target's); `t2d` rides along for `load_draft`
+    (vLLM's loader skips it).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = draft_config_dict(draft.cfg, policy_cfg, dtype)
+    tensors = {k: v.contiguous().clone() for k, v in _checkpoint_tensors(draft, dtype).items()}
+    tensors["t2d"] = draft.t2d.detach().clone()
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(tensors, str(out / _WEIGHTS), metadata={"format": "pt"})
+    return out
+
+
+def load_draft(draft_dir: str | Path, dtype: torch.dtype = torch.float32) -> Eagle3Draft:
+    """Read a directory written by `export_draft` (or any vLLM Llama EAGLE-3 draft without embeddings)."""
+    path = Path(draft_dir)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path}/config.json not found: export the draft with export_draft first")
+    raw = json.loads((path / "config.json").read_text())
+    names = {f.name for f in dataclasses.fields(Eagle3Config)} - {"aux_layer_ids"}
+    kwargs = {k: v for k, v in raw.items() if k in names}
+    kwargs.setdefault("draft_vocab_size", raw["vocab_size"])
+    kwargs.setdefault("target_hidden_size", raw["hidden_size"])
+    ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        raise ValueError(f"{path}/config.json has no eagle_config.eagle_aux_hidden_state_layer_ids: "
+                         "the aux layers the draft was trained on are unknown")
+    draft = Eagle3Draft(Eagle3Config(aux_layer_ids=tuple(ids), **kwargs))
+    state = load_file(str(path / _WEIGHTS))
+    if "t2d" not in state and "d2t" in state:
+        state["t2d"] = torch.zeros(draft.cfg.vocab_size, dtype=torch.bool)
+        state["t2d"][state["d2t"] + torch.arange(state["d2t"].numel())] = True
+    missing, unexpected = draft.load_state_dict(state, strict=False)
+    allowed_missing = {"d2t", "t2d"} if draft.cfg.draft_vocab_size == draft.cfg.vocab_size else set()
+    if set(missing) - allowed_missing or unexpected:
+        raise ValueError(f"{path}: weights do not match the config "
+                         f"(missing {sorted(missing)}, unexpected {sorted(unexpected)})")
+    return draft.to(dtype)
+
+
+def draft_sync_weights(draft: Eagle3Draft, dtype: torch.dtype | None = None) -> list[tuple[str, torch.Tensor]]:
+    """`(checkpoint name, tensor)` pairs for `VLLMRolloutEngine.sync_draft` (detached, not copied)."""
+    dtype = dtype or draft.fc.weight.dtype
+    return list(_checkpoint_tensors(draft, dtype).items())

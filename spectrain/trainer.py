@@ -1,0 +1,271 @@
+"""`SpecTrainer`: builds the whole run from a config and owns a `lightning.Trainer`.
+
+Users subclass it and override the `build_*` hooks, `prompts` or `reward` to change the
+task, the models or the engine; extra callbacks come from the config
+(`trainer.callbacks: [{target: pkg.Class, args: {...}}]`) or the constructor.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from torch.utils.data import DataLoader, IterableDataset
+
+from spectrain.config import ConfigError, SpecTrainConfig, to_yaml
+from spectrain.models.hf_io import save_pretrained
+from spectrain.models.llama import LlamaConfig, LlamaForCausalLM
+from spectrain.module import GRPOModule
+from spectrain.rollout.base import RolloutEngine
+from spectrain.warmstart import warm_start_policy
+
+RUN_MARKER = "spectrain_run.json"
+
+
+class RunDirError(RuntimeError):
+    """The run directory cannot be used without losing somebody's data."""
+
+
+class PromptStream(IterableDataset):
+    """Endless batches of prompts; batch i depends only on (seed, i), so a resume continues it."""
+
+    def __init__(self, source, prompts_per_step: int, seed: int, start_step: int = 0) -> None:
+        self.source, self.prompts_per_step, self.seed, self.start_step = source, prompts_per_step, seed, start_step
+
+    def __iter__(self):
+        step = self.start_step
+        while True:
+            yield self.source.sample(self.prompts_per_step, random.Random(f"{self.seed}:{step}"))
+            step += 1
+
+
+@dataclass
+class FitResult:
+    run_dir: Path
+    warmstart_reward: float
+    final_reward: float
+    steps: int
+    seconds: float
+    history: list[dict]
+
+    def summary(self) -> dict:
+        return {"run_dir": str(self.run_dir), "warmstart_reward": self.warmstart_reward,
+                "final_reward": self.final_reward, "reward_gain": self.final_reward - self.warmstart_reward,
+                "steps": self.steps, "seconds": round(self.seconds, 1)}
+
+
+class SpecTrainer:
+    """GRPO with an online co-trained EAGLE-3 draft and vLLM rollouts, from one config."""
+
+    def __init__(self, config: SpecTrainConfig, callbacks: list[Callback] | None = None) -> None:
+        self.config = config
+        self.extra_callbacks = list(callbacks or [])
+        self.run_dir = Path(config.trainer.run_dir)
+        self.engine: RolloutEngine | None = None
+        self.module: GRPOModule | None = None
+        self.trainer: L.Trainer | None = None
+
+    # hooks users override ---------------------------------------------------------------
+    def build_tokenizer(self):
+        from spectrain.data.tokenizer import CharTokenizer
+
+        return CharTokenizer()
+
+    def prompts(self):
+        """The prompt source: an object with `sample(n, rng) -> list[Example]`."""
+        from spectrain.data.prompts import build_prompt_source
+
+        return build_prompt_source(self.config.task, self.tokenizer)
+
+    def reward(self, completion: str, answer: str) -> float:
+        from spectrain.rl.rewards import get_reward_fn
+
+        return get_reward_fn(self.config.task.reward)(completion, answer)
+
+    def build_policy(self) -> LlamaForCausalLM:
+        p = self.config.policy
+        cfg = LlamaConfig(vocab_size=self.tokenizer.vocab_size, hidden_size=p.hidden_size,
+                          intermediate_size=p.intermediate_size, num_hidden_layers=p.num_hidden_layers,
+                          num_attention_heads=p.num_attention_heads, num_key_value_heads=p.num_key_value_heads,
+                          qk_norm=p.qk_norm, tie_word_embeddings=p.tie_word_embeddings,
+                          max_position_embeddings=p.max_position_embeddings, bos_token_id=self.tokenizer.bos_id,
+                          eos_token_id=self.tokenizer.eos_id, pad_token_id=self.tokenizer.pad_id)
+        return LlamaForCausalLM(cfg)
+
+    def build_draft(self, policy: LlamaForCausalLM):
+        """The EAGLE-3 draft (None when draft.mode=none), warmed up offline if configured."""
+        if self.config.draft.mode == "none":
+            return None
+        from spectrain.draft_warmup import build_and_warm_up_draft
+
+        return build_and_warm_up_draft(self.config, policy, self.source, self.tokenizer, self.run_dir)
+
+    def build_rollout_engine(self, policy_dir: Path, draft_dir: Path | None) -> RolloutEngine:
+        from spectrain.rollout.vllm_engine import VLLMRolloutEngine
+
+        r, d = self.config.rollout, self.config.draft
+        return VLLMRolloutEngine(policy_dir, draft_dir, num_speculative_tokens=d.num_speculative_tokens,
+                                 max_model_len=r.max_model_len, kv_cache_gib=r.kv_cache_gib,
+                                 seed=self.config.trainer.seed)
+
+    def build_callbacks(self) -> list[Callback]:
+        from spectrain.callbacks import AcceptanceLengthLogger, DraftCoTraining, RunHistory, WeightSync
+
+        d = self.config.draft
+        callbacks: list[Callback] = []
+        if d.mode == "cotrained":
+            callbacks.append(DraftCoTraining(every_n_steps=d.every_n_steps, grad_clip=d.grad_clip,
+                                             ttt_steps=d.ttt_steps, pass_decay=d.pass_decay))
+        callbacks.append(WeightSync(check_alive=d.check_alive and d.mode != "none"))
+        if d.mode != "none":
+            callbacks.append(AcceptanceLengthLogger())
+        callbacks += [_instantiate(c.target, c.args) for c in self.config.trainer.callbacks]
+        callbacks += self.extra_callbacks
+        callbacks.append(ModelCheckpoint(dirpath=self.run_dir / "checkpoints", save_last=True, save_top_k=0,
+                                         every_n_train_steps=self.config.trainer.checkpoint_every_n_steps))
+        return callbacks + [RunHistory()]  # last: its step time covers every other hook
+
+    def build_logger(self):
+        t = self.config.trainer
+        if t.logger == "tensorboard":
+            return TensorBoardLogger(save_dir=str(self.run_dir), name="logs", version="")
+        return CSVLogger(save_dir=str(self.run_dir), name="logs", version="")
+
+    # the run ------------------------------------------------------------------------------
+    def fit(self) -> FitResult:
+        started = time.perf_counter()
+        resume_ckpt = self.prepare_run_dir()
+        L.seed_everything(self.config.trainer.seed, workers=True, verbose=False)
+        self.tokenizer = self.build_tokenizer()
+        self.source = self.prompts()
+        self.check_lengths()
+        policy, _ = warm_start_policy(self.config, self.build_policy(), self.source, self.tokenizer,
+                                      self.run_dir, progress=self.config.trainer.progress_bar)
+        draft = self.build_draft(policy)
+        policy_dir, draft_dir = self.export_models(policy, draft, self.run_dir / "engine_init")
+        self.engine = self.build_rollout_engine(policy_dir, draft_dir)
+        try:
+            self.module = GRPOModule(self.config, policy, draft, self.tokenizer, self.reward)
+            self.module.engine = self.engine
+            eval_examples = self.eval_examples()
+            warm_reward = self.evaluate(eval_examples) if resume_ckpt is None else self._recorded_warm_reward()
+            self._record({"warmstart_reward": warm_reward})
+            self.trainer = self.build_lightning_trainer()
+            start_step = _checkpoint_step(resume_ckpt)
+            loader = DataLoader(PromptStream(self.source, self.config.rollout.prompts_per_step,
+                                             self.config.trainer.seed, start_step),
+                                batch_size=None, collate_fn=lambda x: x)
+            self.trainer.fit(self.module, train_dataloaders=loader, ckpt_path=resume_ckpt)
+            final_reward = self.evaluate(eval_examples)
+            self.export_models(self.module.policy, self.module.draft, self.run_dir / "final")
+            history = self.history()
+        finally:
+            self.engine.shutdown()
+        result = FitResult(self.run_dir, warm_reward, final_reward, self.trainer.global_step,
+                           time.perf_counter() - started, history)
+        self._record({"result": result.summary()})
+        return result
+
+    def build_lightning_trainer(self) -> L.Trainer:
+        t = self.config.trainer
+        return L.Trainer(accelerator="cpu", devices=1, max_steps=t.max_steps, logger=self.build_logger(),
+                         callbacks=self.build_callbacks(), default_root_dir=str(self.run_dir),
+                         log_every_n_steps=t.log_every_n_steps, enable_progress_bar=t.progress_bar,
+                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+
+    def eval_examples(self):
+        return self.source.sample(self.config.rollout.eval_prompts, random.Random(f"eval:{self.config.trainer.seed}"))
+
+    @torch.no_grad()
+    def evaluate(self, examples) -> float:
+        """Mean reward of greedy completions on a fixed held-out prompt set (via the engine)."""
+        _, rewards, _ = self.module.rollout(examples, n=1, greedy=True)
+        return float(rewards.mean())
+
+    def history(self) -> list[dict]:
+        from spectrain.callbacks import RunHistory
+
+        return next(c for c in self.trainer.callbacks if isinstance(c, RunHistory)).history
+
+    def export_models(self, policy, draft, out_dir: Path) -> tuple[Path, Path | None]:
+        """The policy in HF format and the draft in vLLM's EAGLE-3 format."""
+        policy_dir = save_pretrained(policy, out_dir / "policy", tokenizer=self.tokenizer)
+        if draft is None:
+            return policy_dir, None
+        from spectrain.models.eagle3 import export_draft
+
+        return policy_dir, export_draft(draft, out_dir / "draft", policy.cfg)
+
+    # run directory ------------------------------------------------------------------------
+    def prepare_run_dir(self) -> str | None:
+        """Create the run dir, or resume it; never write into a directory we did not create."""
+        run_dir, marker = self.run_dir, self.run_dir / RUN_MARKER
+        if run_dir.exists() and any(run_dir.iterdir()):
+            if not marker.is_file():
+                raise RunDirError(f"{run_dir} exists and is not a spectrain run directory; refusing to write into it. "
+                                  f"Choose another trainer.run_dir.")
+            if self.config.trainer.resume == "never":
+                raise RunDirError(f"{run_dir} already holds a run and trainer.resume=never; choose another "
+                                  f"trainer.run_dir, or set trainer.resume=auto to continue it.")
+            last = run_dir / "checkpoints" / "last.ckpt"
+            print(f"[spectrain] resuming run in {run_dir}" + ("" if last.is_file() else " (no checkpoint yet)"))
+            self._check_same_config()
+            return str(last) if last.is_file() else None
+        run_dir.mkdir(parents=True, exist_ok=True)
+        marker.write_text(json.dumps({"created": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2))
+        (run_dir / "config.yaml").write_text(to_yaml(self.config))
+        return None
+
+    def _check_same_config(self) -> None:
+        saved = self.run_dir / "config.yaml"
+        if saved.is_file() and saved.read_text() != to_yaml(self.config):
+            raise RunDirError(f"{self.run_dir} was started with a different config ({saved}); resume it with the "
+                              f"same recipe and overrides, or choose another trainer.run_dir.")
+
+    def _record(self, entries: dict) -> None:
+        marker = self.run_dir / RUN_MARKER
+        data = json.loads(marker.read_text())
+        data.update(entries)
+        marker.write_text(json.dumps(data, indent=2))
+
+    def _recorded_warm_reward(self) -> float:
+        return float(json.loads((self.run_dir / RUN_MARKER).read_text()).get("warmstart_reward", float("nan")))
+
+    def check_lengths(self) -> None:
+        """Prompts plus completions plus the speculative lookahead must fit the engine."""
+        r, d = self.config.rollout, self.config.draft
+        longest = self.source.max_prompt_tokens(self.tokenizer)
+        lookahead = d.num_speculative_tokens + 1 if d.mode != "none" else 0
+        need = longest + r.max_new_tokens + lookahead
+        if need > r.max_model_len:
+            raise ConfigError(f"rollout.max_model_len: {r.max_model_len} is too small: the longest prompt has "
+                              f"{longest} tokens, plus rollout.max_new_tokens={r.max_new_tokens} and {lookahead} "
+                              f"speculative lookahead = {need}; raise rollout.max_model_len (and "
+                              f"policy.max_position_embeddings) or lower rollout.max_new_tokens.")
+
+
+def _instantiate(target: str, args: dict) -> Callback:
+    module_name, _, cls_name = target.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), cls_name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ConfigError(f"trainer.callbacks: cannot import '{target}' ({exc}); give the full import path of a "
+                          f"lightning Callback class, e.g. my_pkg.callbacks.MyCallback") from exc
+    callback = cls(**dict(args))
+    if not isinstance(callback, Callback):
+        raise ConfigError(f"trainer.callbacks: {target} is not a lightning Callback")
+    return callback
+
+
+def _checkpoint_step(ckpt_path: str | None) -> int:
+    if ckpt_path is None:
+        return 0
+    return int(torch.load(ckpt_path, map_location="cpu", weights_only=False)["global_step"])
+

@@ -1,0 +1,75 @@
+"""Recipe loading: inheritance, overrides, and every error path names the key and the fix."""
+import pytest
+
+from spectrain.config import ConfigError, load_config
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_default_recipe_loads():
+    cfg = load_config()
+    assert cfg.rollout.group_size >= 2 and cfg.draft.mode == "cotrained"
+
+
+def test_defaults_inheritance_and_overrides(tmp_path):
+    write(tmp_path, "base.yaml", "rollout:\n  group_size: 4\n  max_new_tokens: 10\n")
+    child = write(tmp_path, "child.yaml", "defaults: [base]\nrollout:\n  max_new_tokens: 12\n")
+    cfg = load_config(child, ["trainer.max_steps=3", "draft.mode=frozen"])
+    assert (cfg.rollout.group_size, cfg.rollout.max_new_tokens) == (4, 12)
+    assert cfg.trainer.max_steps == 3 and cfg.draft.mode == "frozen"
+
+
+def test_packaged_parent_by_name(tmp_path):
+    child = write(tmp_path, "c.yaml", "defaults: [tiny_cpu]\ntrainer:\n  max_steps: 2\n")
+    assert load_config(child).trainer.max_steps == 2
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["rollout.group_sise=4"], "rollout.group_sise"),
+    (["rollout.group_size=four"], "rollout.group_size"),
+    (["rollout.group_size=1"], "rollout.group_size"),
+    (["rollout.max_model_len=4096"], "policy.max_position_embeddings"),
+    (["draft.mode=sometimes"], "draft.mode"),
+    (["parallel.pp=9"], "parallel.pp"),
+    (["parallel.pp_schedule=ZeroBubble"], "parallel.pp_schedule"),
+    (["draft.aux_layer_ids=[0,1,7]"], "draft.aux_layer_ids"),
+    (["task.name=jsonl"], "task.path"),
+    (["trainer.max_steps"], "key=value"),
+])
+def test_bad_values_name_the_key(overrides, needle):
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.").replace("[", r"\[")):
+        load_config(None, overrides)
+
+
+def test_missing_recipe_lists_packaged():
+    with pytest.raises(ConfigError, match="tiny_cpu"):
+        load_config("no_such_recipe")
+
+
+def test_malformed_yaml(tmp_path):
+    bad = write(tmp_path, "bad.yaml", "rollout: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_not_a_mapping(tmp_path):
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(write(tmp_path, "list.yaml", "- a\n- b\n"))
+
+
+def test_required_value_marker(tmp_path):
+    path = write(tmp_path, "req.yaml", "task:\n  name: jsonl\n  path: ???\n")
+    with pytest.raises(ConfigError, match=r"missing.*task\.path"):
+        load_config(path)
+    assert load_config(path, ["task.path=/tmp/x.jsonl"]).task.path == "/tmp/x.jsonl"
+
+
+def test_inheritance_loop(tmp_path):
+    write(tmp_path, "a.yaml", "defaults: [b]\n")
+    write(tmp_path, "b.yaml", "defaults: [a]\n")
+    with pytest.raises(ConfigError, match="loops"):
+        load_config(str(tmp_path / "a.yaml"))
