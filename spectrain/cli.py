@@ -28,6 +28,23 @@ def _show_config(args) -> int:
     return 0
 
 
+def _calibrate(args) -> int:
+    from spectrain.rollout.adaptive import calibrate
+    from spectrain.trainer import RunDirError
+
+    config = load_config(args.recipe, args.overrides)
+    try:
+        result, path = calibrate(config)
+    except RunDirError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for n, t, per in zip(result.token_counts, result.times_s, result.per_token_s):
+        print(f"  {n:5d} tokens/forward  {1e3 * t:8.2f} ms  {1e6 * per:8.1f} us/token")
+    note = "" if result.plateau_reached else " (knee at the largest count: the forward never turned compute-bound)"
+    print(f"verify budget C = {result.verify_budget} tokens per target forward{note}; written to {path}")
+    return 0
+
+
 def _bench(args) -> int:
     module = __import__(f"spectrain.bench.{args.name}", fromlist=["main"])
     return module.main(args.overrides) or 0
@@ -38,11 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     fit = sub.add_parser("fit", help="run GRPO with online draft co-training from a recipe")
     show = sub.add_parser("show-config", help="print the fully resolved config of a recipe")
-    for p in (fit, show):
+    calib = sub.add_parser("calibrate", help="measure the verify budget C of adaptive speculation "
+                                             "into <run_dir>/calibration.json")
+    for p in (fit, show, calib):
         p.add_argument("recipe", nargs="?", default=DEFAULT_RECIPE, help="recipe name or YAML path")
         p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.max_steps=5")
     fit.set_defaults(func=_fit)
     show.set_defaults(func=_show_config)
+    calib.set_defaults(func=_calibrate)
     bench = sub.add_parser("bench", help="run a benchmark; results go to docs/benchmarks/")
     bench.add_argument("name", choices=BENCHMARKS)
     bench.add_argument("overrides", nargs="*", help="key=value options of the benchmark")

@@ -42,7 +42,8 @@ class TaskConfig:
     operands: int = 2
     path: str | None = None  # JSONL with {"prompt", "answer"} rows when name == jsonl
     on_bad_row: str = "skip"  # skip | error
-    reward: str = "exact"
+    reward: str = "exact_answer"
+    partial_credit: float = 0.0  # reward share for a wrong answer with some right digits
 
 
 @dataclass
@@ -103,7 +104,9 @@ class ParallelConfig:
 class BanditConfig:
     epsilon: float = 0.1
     window: int = 300
-    arms: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
+    arms: list[int] = field(default_factory=lambda: [1, 2, 3, 4])  # num_speculative_tokens per arm, <= draft's
+    bucket_edges: list[int] = field(default_factory=lambda: [4, 16, 64])  # batch buckets [1,3], [4,15], ...
+    min_plays: int = 1  # plays per (bucket, arm) before the arm counts as tried
 
 
 @dataclass
@@ -309,6 +312,19 @@ def validate(c: SpecTrainConfig) -> None:
     _one_of(par.pp_schedule, "parallel.pp_schedule", ("GPipe", "1F1B", "Interleaved1F1B"))
     _one_of(c.speculation.mode, "speculation.mode", ("fixed", "concurrency", "bandit"))
     _require(0 <= c.speculation.bandit.epsilon <= 1, "speculation.bandit.epsilon", "must be in [0, 1]")
+    _require(c.speculation.mode == "fixed" or d.mode != "none", "speculation.mode",
+             f"'{c.speculation.mode}' adapts the draft's k, but draft.mode=none; use speculation.mode=fixed")
+    _require(c.speculation.mode != "bandit" or all(0 <= k <= d.num_speculative_tokens for k in c.speculation.bandit.arms),
+             "speculation.bandit.arms", f"{list(c.speculation.bandit.arms)} must be in 0..draft.num_speculative_tokens="
+             f"{d.num_speculative_tokens} (the engine's k_max)")
+    lt = c.speculation.long_tail
+    if lt.enabled:
+        _require(d.mode == "cotrained", "speculation.long_tail.enabled", f"spot training trains the draft, but "
+                 f"draft.mode={d.mode}; set draft.mode=cotrained or disable the long tail")
+        _require(par.dp * par.cp * par.pp == 1, "speculation.long_tail.enabled",
+                 "spot training runs on the rollout process only; use it with parallel.dp=cp=pp=1")
+        _require(lt.threshold >= 1 and lt.max_steps >= 0, "speculation.long_tail",
+                 "needs threshold >= 1 and max_steps >= 0")
     _one_of(c.trainer.resume, "trainer.resume", ("auto", "never"))
     _one_of(c.trainer.logger, "trainer.logger", ("csv", "tensorboard"))
     _require(c.trainer.max_steps >= 0, "trainer.max_steps", "must be >= 0")

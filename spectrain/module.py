@@ -4,7 +4,7 @@ Each `training_step` rolls out `group_size` samples per prompt on the live engin
 them, computes group advantages, runs the policy's training forward (capturing the draft's
 taps in the same pass) and steps the policy optimizer. The draft's optimizer is the
 module's second optimizer; the `DraftCoTraining` callback steps it from the taps left in
-`step_outputs`, and `WeightSync` pushes both models to the engine afterwards.
+`draft_inputs`, and `WeightSync` pushes both models to the engine afterwards.
 """
 from __future__ import annotations
 
@@ -16,9 +16,19 @@ import torch
 
 from spectrain.config import SpecTrainConfig
 from spectrain.models.llama import LlamaForCausalLM, default_aux_layer_ids
+from spectrain.parallel.plan import DraftInputs, LocalPlan, TrainPlan
 from spectrain.rl.batch import RolloutBatch, build_rollout_batch
 from spectrain.rl.grpo import group_advantages, grpo_loss, token_logprobs
 from spectrain.rollout.base import Completion, RolloutEngine, SamplingConfig, SpecDecodeCounters
+from spectrain.rollout.adaptive import (
+    LongTailTrainer,
+    SpecController,
+    build_controller,
+    spot_draft_step,
+    uses_step_loop,
+)
+from spectrain.rollout.speculation import LongTailPolicy
+from spectrain.rollout.step_loop import generate_stepwise
 
 
 @dataclass
@@ -33,15 +43,6 @@ class RolloutStats:
         return self.num_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-@dataclass
-class PolicyStepOutputs:
-    """What the policy's training forward leaves for the draft: no second forward needed."""
-
-    batch: RolloutBatch
-    aux_hidden: list[torch.Tensor]  # detached residual streams entering the aux layers
-    teacher_logits: torch.Tensor  # detached policy logits [T, V]
-
-
 class GRPOModule(L.LightningModule):
     def __init__(self, config: SpecTrainConfig, policy: LlamaForCausalLM, draft: torch.nn.Module | None,
                  tokenizer, reward_fn) -> None:
@@ -53,8 +54,12 @@ class GRPOModule(L.LightningModule):
         self.reward_fn = reward_fn
         self.automatic_optimization = False
         self.engine: RolloutEngine | None = None  # attached by SpecTrainer; not checkpointed
-        self.step_outputs: PolicyStepOutputs | None = None
+        self.plan: TrainPlan = LocalPlan()  # replaced by SpecParallelStrategy under dp/cp/pp
+        self.draft_inputs: list[DraftInputs] = []  # left by the policy forward for DraftCoTraining
         self.rollout_stats: RolloutStats | None = None
+        self.speculation: SpecController | None = None  # built on the first rollout (adaptive modes)
+        self._speculation_state: dict | None = None  # from a checkpoint, until the controller exists
+        self.step_loop_metrics: dict[str, float] = {}  # of the last training rollout
 
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:
@@ -79,8 +84,7 @@ class GRPOModule(L.LightningModule):
 
     # weight sync (PP overrides these to gather stages) ----------------------------------
     def policy_weights_for_sync(self):
-        tied = self.policy.cfg.tie_word_embeddings
-        return [(n, p.detach()) for n, p in self.policy.state_dict().items() if not (tied and n == "lm_head.weight")]
+        return self.plan.policy_weights(self.policy)
 
     def draft_weights_for_sync(self):
         from spectrain.models.eagle3 import draft_sync_weights
@@ -94,46 +98,92 @@ class GRPOModule(L.LightningModule):
                               top_p=r.top_p, seed=None if greedy else self.config.trainer.seed + self.global_step)
 
     def rollout(self, examples, n: int, greedy: bool = False) -> tuple[list[Completion], torch.Tensor, RolloutStats]:
-        """Generate `n` samples per prompt and score them."""
-        assert self.engine is not None, "no rollout engine attached: use SpecTrainer, or set module.engine"
-        prompts = [self.tokenizer.encode_prompt(ex.prompt) for ex in examples]
-        before = self.engine.spec_decode_counters()
-        started = time.perf_counter()
-        completions = self.engine.generate(prompts, self.sampling_config(n, greedy))
-        seconds = time.perf_counter() - started
-        spec = self.engine.spec_decode_counters() - before
-        rewards = torch.tensor([self.reward_fn(self.tokenizer.decode(c.token_ids), examples[c.prompt_index].answer)
-                                for c in completions], dtype=torch.float32)
-        stats = RolloutStats(seconds, len(completions), sum(len(c.token_ids) for c in completions), spec)
-        return completions, rewards, stats
+        """Generate `n` samples per prompt on the rollout rank, score them, share with every rank."""
+        result = None
+        if self.plan.is_rollout_rank:
+            assert self.engine is not None, "no rollout engine attached: use SpecTrainer, or set module.engine"
+            prompts = [self.tokenizer.encode(ex.prompt) for ex in examples]
+            before = self.engine.spec_decode_counters()
+            started = time.perf_counter()
+            completions = self.generate_rollout(prompts, self.sampling_config(n, greedy), train_in_tail=not greedy)
+            seconds = time.perf_counter() - started
+            spec = self.engine.spec_decode_counters() - before
+            rewards = torch.tensor([self.reward_fn(self.tokenizer.decode(c.token_ids), examples[c.prompt_index].answer)
+                                    for c in completions], dtype=torch.float32)
+            stats = RolloutStats(seconds, len(completions), sum(len(c.token_ids) for c in completions), spec)
+            result = (completions, rewards, stats)
+        return self.plan.share(result)
 
-    # training -------------------------------------------------------------------------
+    # adaptive speculation and long-tail spot training (spectrain/rollout/adaptive.py) ----
+    def generate_rollout(self, prompts: list[list[int]], sampling: SamplingConfig, train_in_tail: bool):
+        """`engine.generate`, or the step loop when `k` adapts per step or the long tail trains the draft."""
+        if not uses_step_loop(self.config):
+            return self.engine.generate(prompts, sampling)
+        if self.speculation is None and self.config.speculation.mode != "fixed":
+            self.speculation = build_controller(self.config, self.engine, self.config.trainer.run_dir)
+            if self._speculation_state is not None:
+                self.speculation.load_state_dict(self._speculation_state)
+        spot = self.long_tail_trainer() if train_in_tail else None
+        result = generate_stepwise(self.engine, prompts, sampling, self.speculation, spot)
+        steps = max(len(result.trace), 1)
+        self.step_loop_metrics = {"rollout/engine_steps": float(len(result.trace)),
+                                  "spec/k_mean": sum(r.k for r in result.trace) / steps}
+        if spot is not None:
+            self.step_loop_metrics.update({"spot/draft_steps": float(spot.steps), "spot/seconds": spot.seconds})
+        if self.speculation is not None:
+            self.step_loop_metrics.update(self.speculation.rollout_metrics())
+        return result.completions
+
+    def long_tail_trainer(self) -> LongTailTrainer | None:
+        """Spot draft steps on the previous step's taps; None until there are taps to train on."""
+        lt, d = self.config.speculation.long_tail, self.config.draft
+        if not (lt.enabled and self.trains_draft and self.draft_inputs):
+            return None
+        policy = LongTailPolicy(lt.threshold, mode=True, max_steps=lt.max_steps)
+        return LongTailTrainer(policy, lambda: spot_draft_step(self, d.ttt_steps, d.pass_decay, d.grad_clip))
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        state = self.speculation.state_dict() if self.speculation is not None else self._speculation_state
+        if state:
+            checkpoint["speculation_controller"] = state
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self._speculation_state = checkpoint.get("speculation_controller")
+        if self.speculation is not None and self._speculation_state:
+            self.speculation.load_state_dict(self._speculation_state)
+
     def training_step(self, examples, batch_idx):
         g = self.config.grpo
         completions, rewards, self.rollout_stats = self.rollout(examples, self.config.rollout.group_size)
-        advantages = group_advantages(rewards, self.config.rollout.group_size, g.adv_eps)
-        batch = build_rollout_batch(completions, advantages)
+        batch = build_rollout_batch(completions, group_advantages(rewards, self.config.rollout.group_size, g.adv_eps))
+        num_tokens = batch.num_response_tokens  # global normaliser: every rank holds the whole rollout
+
+        def loss_fn(logits: torch.Tensor, part: RolloutBatch):
+            logprobs = token_logprobs(logits, part.targets)
+            out = grpo_loss(logprobs, logprobs.detach(), part.advantages, part.response_mask, g.clip_eps,
+                            num_tokens=num_tokens)
+            return out.loss, logprobs
+
         capture = self.aux_layer_ids if self.trains_draft else ()
-        out = self.policy(batch.input_ids, batch.position_ids, batch.cu_seqlens, capture_layers=capture)
-        logprobs = token_logprobs(out.logits, batch.targets)
-        loss = grpo_loss(logprobs, logprobs.detach(), batch.advantages, batch.response_mask, g.clip_eps)
         opt = self.policy_optimizer()
         opt.zero_grad(set_to_none=True)
-        self.manual_backward(loss.loss)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), g.grad_clip)
+        result = self.plan.policy_forward_backward(self.policy, batch, loss_fn, capture, self.manual_backward)
+        self.plan.reduce_gradients(self.policy)
+        grad_norm = self.plan.clip_grad_norm(self.policy, g.grad_clip)
         opt.step()
-        self.step_outputs = PolicyStepOutputs(batch, [h.detach() for h in out.aux_hidden], out.logits.detach())
-        mask = batch.response_mask
-        mismatch = (logprobs.detach() - batch.rollout_logprobs).abs()[mask]
+        self.draft_inputs = result.draft_inputs
+        mask = result.batch.response_mask
+        mismatch = (result.logprobs - result.batch.rollout_logprobs).abs()[mask]
         self.log_dict({
             "reward": rewards.mean(),
-            "policy/loss": loss.loss.detach(),
+            "policy/loss": result.loss,
             "policy/grad_norm": grad_norm,
-            "policy/clip_fraction": loss.clip_fraction,
             "policy/engine_logprob_diff": mismatch.mean() if mismatch.numel() else torch.tensor(0.0),
             "rollout/tokens_per_s": self.rollout_stats.tokens_per_second,
             "rollout/seconds": self.rollout_stats.seconds,
-            "rollout/mean_response_len": batch.num_response_tokens / batch.num_docs,
-        }, prog_bar=False, on_step=True, batch_size=len(examples))
+            "rollout/mean_response_len": num_tokens / batch.num_docs,
+        }, on_step=True, batch_size=len(examples))
         self.log("reward_mean", rewards.mean(), prog_bar=True, on_step=True, batch_size=len(examples), logger=False)
-        return loss.loss.detach()
+        if self.step_loop_metrics:
+            self.log_dict(self.step_loop_metrics, on_step=True, batch_size=1)
+        return result.loss

@@ -23,6 +23,7 @@ from spectrain.config import ConfigError, SpecTrainConfig, to_yaml
 from spectrain.models.hf_io import save_pretrained
 from spectrain.models.llama import LlamaConfig, LlamaForCausalLM
 from spectrain.module import GRPOModule
+from spectrain.rl.rewards import get_reward_fn
 from spectrain.rollout.base import RolloutEngine
 from spectrain.warmstart import warm_start_policy
 
@@ -82,12 +83,15 @@ class SpecTrainer:
         """The prompt source: an object with `sample(n, rng) -> list[Example]`."""
         from spectrain.data.prompts import build_prompt_source
 
-        return build_prompt_source(self.config.task, self.tokenizer)
+        t = self.config.task
+        if t.name == "jsonl":
+            return build_prompt_source("jsonl", path=t.path, on_bad_row=t.on_bad_row, tokenizer=self.tokenizer,
+                                       seed=self.config.trainer.seed)
+        return build_prompt_source("arithmetic", digits=t.digits, operands=t.operands, seed=self.config.trainer.seed)
 
     def reward(self, completion: str, answer: str) -> float:
-        from spectrain.rl.rewards import get_reward_fn
-
-        return get_reward_fn(self.config.task.reward)(completion, answer)
+        """Score one completion; the default looks up `task.reward` (bound once, in `fit`)."""
+        return self._reward_fn(completion, answer)
 
     def build_policy(self) -> LlamaForCausalLM:
         p = self.config.policy
@@ -145,6 +149,7 @@ class SpecTrainer:
         L.seed_everything(self.config.trainer.seed, workers=True, verbose=False)
         self.tokenizer = self.build_tokenizer()
         self.source = self.prompts()
+        self._reward_fn = get_reward_fn(self.config.task.reward, partial_credit=self.config.task.partial_credit)
         self.check_lengths()
         policy, _ = warm_start_policy(self.config, self.build_policy(), self.source, self.tokenizer,
                                       self.run_dir, progress=self.config.trainer.progress_bar)
@@ -241,7 +246,8 @@ class SpecTrainer:
     def check_lengths(self) -> None:
         """Prompts plus completions plus the speculative lookahead must fit the engine."""
         r, d = self.config.rollout, self.config.draft
-        longest = self.source.max_prompt_tokens(self.tokenizer)
+        examples = list(self.source) if hasattr(self.source, "__iter__") else self.eval_examples()
+        longest = max(len(self.tokenizer.encode(ex.prompt)) for ex in examples)
         lookahead = d.num_speculative_tokens + 1 if d.mode != "none" else 0
         need = longest + r.max_new_tokens + lookahead
         if need > r.max_model_len:

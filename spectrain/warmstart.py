@@ -25,7 +25,8 @@ from spectrain.rollout.base import Completion
 
 def examples_to_batch(examples, tokenizer) -> RolloutBatch:
     """Teacher-forced batch: prompt + worked answer, loss on the answer tokens only."""
-    completions = [Completion(i, tokenizer.encode_prompt(ex.prompt), tokenizer.encode_completion(ex.target), [], True)
+    completions = [Completion(i, tokenizer.encode(ex.prompt),
+                              tokenizer.encode(ex.target, add_bos=False) + [tokenizer.eos_id], [], True)
                    for i, ex in enumerate(examples)]
     return build_rollout_batch(completions, torch.zeros(len(completions)))
 

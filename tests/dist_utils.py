@@ -54,13 +54,26 @@ def _entry(rank: int, world_size: int, port: int, timeout: float, fn, args, resu
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout),
         )
-        try:
-            out = fn(rank, world_size, *args)
-        finally:
-            dist.destroy_process_group()
-        results.put((rank, True, _dumps(out)))
+        results.put((rank, True, _dumps(fn(rank, world_size, *args))))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
+    finally:  # after reporting, so the root cause is queued before peers see the teardown
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _drain_failures(results, first: tuple[int, str], grace: float = 3.0) -> str:
+    """All failure reports arriving within ``grace`` seconds, the first one first."""
+    failures = [first]
+    deadline = time.monotonic() + grace
+    while (remaining := deadline - time.monotonic()) > 0:
+        try:
+            rank, ok, payload = results.get(timeout=remaining)
+        except queue.Empty:
+            break
+        if not ok:
+            failures.append((rank, payload))
+    return "\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in failures)
 
 
 def run_distributed(
@@ -104,11 +117,16 @@ def run_distributed(
                                        f"{[procs[r].exitcode for r in dead]})")
                 continue
             if not ok:
-                raise RuntimeError(f"rank {rank} of {world_size} failed:\n{payload}")
+                report = _drain_failures(results, (rank, payload))
+                raise RuntimeError(f"rank {rank} of {world_size} failed:\n{report}")
             outputs[rank] = _loads(payload)
+    except BaseException:
+        for p in procs:  # peers of a failed rank would block until the gloo timeout
+            p.kill()
+        raise
     finally:
         for p in procs:
-            p.join(timeout=5)
+            p.join(timeout=10)
             if p.is_alive():
                 p.kill()
                 p.join()

@@ -123,6 +123,9 @@ def test_shift_left_single_rank_with_grad():
     ref = torch.zeros_like(xs)
     ref[4:] = torch.where(keep[:-4, None], g[:-4], 0.0)
     assert torch.allclose(xs.grad, ref)
+    ids = torch.arange(sum(LENS))  # integer ids (no autograd) shift the same way
+    shifted = shift_left(shard(ids, lay, pad_value=-1), lay, 2, group=None, fill=-1)
+    assert torch.equal(shifted, shard(global_shift(ids, cu, 2, -1), lay, pad_value=-1))
 
 
 def test_errors_name_the_fix():

@@ -416,7 +416,7 @@ def load_draft(draft_dir: str | Path, dtype: torch.dtype = torch.float32) -> Eag
     if not ids:
         raise ValueError(f"{path}/config.json has no eagle_config.eagle_aux_hidden_state_layer_ids: "
                          "the aux layers the draft was trained on are unknown")
-    draft = Eagle3Draft(Eagle3Config(aux_layer_ids=tuple(ids), **kwargs))
+    draft = Eagle3Draft(Eagle3Config(aux_layer_ids=tuple(ids), **kwargs)).to(dtype)
     state = load_file(str(path / _WEIGHTS))
     if "t2d" not in state and "d2t" in state:
         state["t2d"] = torch.zeros(draft.cfg.vocab_size, dtype=torch.bool)
@@ -426,7 +426,7 @@ def load_draft(draft_dir: str | Path, dtype: torch.dtype = torch.float32) -> Eag
     if set(missing) - allowed_missing or unexpected:
         raise ValueError(f"{path}: weights do not match the config "
                          f"(missing {sorted(missing)}, unexpected {sorted(unexpected)})")
-    return draft.to(dtype)
+    return draft
 
 
 def draft_sync_weights(draft: Eagle3Draft, dtype: torch.dtype | None = None) -> list[tuple[str, torch.Tensor]]:

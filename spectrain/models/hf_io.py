@@ -50,7 +50,7 @@ def save_pretrained(model: LlamaForCausalLM, out_dir: str | Path, tokenizer=None
          "pad_token_id": model.cfg.pad_token_id}, indent=2))
     save_file(state_dict_for_export(model, dtype), str(out / _WEIGHTS), metadata={"format": "pt"})
     if tokenizer is not None:
-        tokenizer.save(out)
+        tokenizer.save_pretrained(out)
     return out
 
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from spectrain.ops import padded_flash
+
 BLOCK_Q = 128
 BLOCK_K = 1024
 
@@ -95,7 +97,7 @@ class _Masker:
 def _heads_first(x: torch.Tensor, n_kv: int, dtype: torch.dtype) -> torch.Tensor:
     """[T, H, D] -> [Hkv, G, T, D] in the compute dtype (G = H // Hkv, 1 for k and v)."""
     t, h, d = x.shape
-    return x.to(dtype).view(t, n_kv, h // n_kv, d).permute(1, 2, 0, 3)
+    return x.to(dtype).reshape(t, n_kv, h // n_kv, d).permute(1, 2, 0, 3)
 
 
 def _tokens_first(x: torch.Tensor) -> torch.Tensor:
@@ -133,8 +135,8 @@ def attn_forward(
     n_kv, group, dim = k.shape[1], q.shape[1] // k.shape[1], q.shape[2]
 
     qh = _heads_first(q, n_kv, cdt) * scale
-    kh = _heads_first(k, n_kv, cdt).squeeze(1)
-    vh = _heads_first(v, n_kv, cdt).squeeze(1)
+    kh = _heads_first(k, n_kv, cdt).squeeze(1).contiguous()
+    vh = _heads_first(v, n_kv, cdt).squeeze(1).contiguous()
     out = qh.new_zeros(n_kv, group, q.shape[0], dim)
     lse = qh.new_full((n_kv, group, q.shape[0]), float("-inf"))
     masker = _Masker(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], causal)
@@ -194,12 +196,12 @@ def attn_backward(
     n_kv, group, dim = k.shape[1], q.shape[1] // k.shape[1], q.shape[2]
 
     qh = _heads_first(q, n_kv, cdt) * scale
-    kh = _heads_first(k, n_kv, cdt).squeeze(1)
-    vh = _heads_first(v, n_kv, cdt).squeeze(1)
+    kh = _heads_first(k, n_kv, cdt).squeeze(1).contiguous()
+    vh = _heads_first(v, n_kv, cdt).squeeze(1).contiguous()
     doh = _heads_first(dout, n_kv, cdt)
     delta = (dout.to(cdt) * out.to(cdt)).sum(-1)  # D = rowsum(dO * O), [T, Hq]
     delta = delta.view(-1, n_kv, group).permute(1, 2, 0)
-    lse_h = lse.to(cdt).view(-1, n_kv, group).permute(1, 2, 0)
+    lse_h = lse.to(cdt).reshape(-1, n_kv, group).permute(1, 2, 0)
     lse_h = torch.where(lse_h == float("-inf"), 0.0, lse_h)  # such rows have s = -inf: P = 0
 
     dq = torch.zeros_like(qh)
@@ -234,20 +236,38 @@ def attn_backward(
 class LocalAttentionOps:
     """Single-device attention ops: the object the model, TTT and ring code pass around.
 
+    Causal calls on CPU whose documents pad cheaply go to torch's fused flash kernel
+    (`padded_flash`); everything else takes the blockwise path above.
+
     Ring attention provides another class with the same ``forward`` / ``backward``.
     """
 
-    def __init__(self, block_q: int = BLOCK_Q, block_k: int = BLOCK_K):
+    def __init__(self, block_q: int = BLOCK_Q, block_k: int = BLOCK_K, use_fused: bool = True):
         self.block_q = block_q
         self.block_k = block_k
+        self.use_fused = use_fused
+
+    def _fused(self, q, cu_seqlens_q, causal) -> list[int] | None:
+        """Causal CPU batches of similar-length documents take torch's fused flash kernel."""
+        if not (self.use_fused and causal):
+            return None
+        cu = cu_seqlens_q.tolist()
+        return cu if padded_flash.usable(q, cu) else None
 
     def forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale=None):
+        cu = self._fused(q, cu_seqlens_q, causal)
+        if cu is not None:
+            _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, causal)
+            return padded_flash.forward(q, k, v, cu, scale)
         return attn_forward(
             q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale,
             block_q=self.block_q, block_k=self.block_k,
         )
 
     def backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale=None):
+        cu = self._fused(q, cu_seqlens_q, causal)
+        if cu is not None:
+            return padded_flash.backward(dout, q, k, v, out, lse, cu, scale)
         return attn_backward(
             dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale,
             block_q=self.block_q, block_k=self.block_k,

@@ -14,31 +14,42 @@ from spectrain.ops.attention import LocalAttentionOps
 from spectrain.ops.lse_merge import merge_attn
 
 
+def _grouped(x: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """[T, Hq, ...] -> [T, Hkv, G, ...]: q head j*G+g is served by kv head j."""
+    return x.reshape(x.shape[0], n_kv, -1, *x.shape[2:])
+
+
 def _branch_scores(q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
-    """Diagonal scores ``s[p, t, h] = scale * q[t, h] . keys[p, t, h // G]``, [P, T, Hq]."""
-    n_pass, t, n_kv, dim = keys.shape
-    qg = q.view(t, n_kv, -1, dim)
-    return torch.einsum("tjgd,ptjd->ptjg", qg, keys).reshape(n_pass, t, -1) * scale
-
-
-def _expand_heads(x: torch.Tensor, n_q: int) -> torch.Tensor:
-    """[P, T, Hkv, D] -> [P, T, Hq, D], kv head j serving q heads j*G..(j+1)*G-1."""
-    return x.repeat_interleave(n_q // x.shape[2], dim=2)
-
-
-def _sum_groups(x: torch.Tensor, n_kv: int) -> torch.Tensor:
-    """[P, T, Hq, D] -> [P, T, Hkv, D]: GQA gradients summed over each kv head's group."""
-    n_pass, t, n_q, dim = x.shape
-    return x.view(n_pass, t, n_kv, n_q // n_kv, dim).sum(3)
+    """Diagonal scores ``s[p, t, j, g] = scale * q[t, j, g] . keys[p, t, j]``."""
+    return torch.einsum("tjgd,ptjd->ptjg", q, keys) * scale
 
 
 def _branch_forward(q, keys, values, scale) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over the diagonal keys alone: ``(out [T, Hq, D], lse [T, Hq])``."""
+    """Softmax over the diagonal keys alone: ``(out [T, Hkv, G, D], lse [T, Hkv, G])``."""
     s = _branch_scores(q, keys, scale)
     lse = torch.logsumexp(s, dim=0)
-    p = torch.exp(s - lse)
-    out = (p.unsqueeze(-1) * _expand_heads(values, q.shape[1])).sum(0)
-    return out, lse
+    return torch.einsum("ptjg,ptjd->tjgd", torch.exp(s - lse), values), lse
+
+
+def _branch_backward(dout, q, keys, values, out, lse, scale):
+    """Closed-form gradients of the diagonal part given the joint ``(out, lse)``.
+
+    ``P_p = exp(s_p - lse)``, ``D = sum(dO * O)``, ``dV_p = P_p dO``,
+    ``dS_p = P_p (dO . v_p - D)``, ``dq = scale sum_p dS_p k_p``, ``dk_p = scale dS_p q``;
+    the einsums over ``g`` sum the GQA groups.
+    Returns dq ``[T, Hkv, G, D]`` and dk, dv ``[P, T, Hkv, D]``.
+    """
+    cdt, n_kv = lse.dtype, keys.shape[2]
+    dout, q, out = (_grouped(x.to(cdt), n_kv) for x in (dout, q, out))
+    keys, values, lse = keys.to(cdt), values.to(cdt), _grouped(lse, n_kv)
+
+    p = torch.exp(_branch_scores(q, keys, scale) - lse)  # [P, T, Hkv, G]
+    delta = (dout * out).sum(-1)  # [T, Hkv, G]
+    ds = p * (torch.einsum("tjgd,ptjd->ptjg", dout, values) - delta)
+    dq = scale * torch.einsum("ptjg,ptjd->tjgd", ds, keys)
+    dk = scale * torch.einsum("ptjg,tjgd->ptjd", ds, q)
+    dv = torch.einsum("ptjg,tjgd->ptjd", p, dout)
+    return dq, dk, dv
 
 
 class _TTTAttention(torch.autograd.Function):
@@ -47,11 +58,14 @@ class _TTTAttention(torch.autograd.Function):
         keys, values = kv[:n_pass], kv[n_pass:]
         out, lse = ops.forward(q, keys[0], values[0], cu_seqlens, cu_seqlens, True, scale)
         if n_pass > 1:
-            cdt = lse.dtype
-            branch = _branch_forward(
-                q.to(cdt), torch.stack(keys[1:]).to(cdt), torch.stack(values[1:]).to(cdt), scale
+            cdt, n_kv = lse.dtype, keys[0].shape[1]
+            out_b, lse_b = _branch_forward(
+                _grouped(q.to(cdt), n_kv),
+                torch.stack(keys[1:]).to(cdt),
+                torch.stack(values[1:]).to(cdt),
+                scale,
             )
-            out, lse = merge_attn(out, lse, *branch)
+            out, lse = merge_attn(out, lse, out_b.flatten(1, 2), lse_b.flatten(1, 2))
             out = out.to(q.dtype)
         ctx.save_for_backward(q, cu_seqlens, out, lse, *kv)
         ctx.scale, ctx.ops, ctx.n_pass = scale, ops, n_pass
@@ -69,31 +83,10 @@ class _TTTAttention(torch.autograd.Function):
             dq_b, dk_b, dv_b = _branch_backward(
                 dout, q, torch.stack(keys[1:]), torch.stack(values[1:]), out, lse, ctx.scale
             )
-            dq = (dq.to(dq_b.dtype) + dq_b).to(q.dtype)
+            dq = (dq.to(dq_b.dtype) + dq_b.flatten(1, 2)).to(q.dtype)
             dks += [g.to(k.dtype) for g, k in zip(dk_b.unbind(0), keys[1:])]
             dvs += [g.to(v.dtype) for g, v in zip(dv_b.unbind(0), values[1:])]
         return dq, None, None, None, None, *dks, *dvs
-
-
-def _branch_backward(dout, q, keys, values, out, lse, scale):
-    """Closed-form gradients of the diagonal part given the joint ``(out, lse)``.
-
-    ``P_p = exp(s_p - lse)``, ``D = sum(dO * O)``, ``dV_p = P_p dO``,
-    ``dS_p = P_p (dO . v_p - D)``, ``dq = scale sum_p dS_p k_p``, ``dk_p = scale dS_p q``.
-    """
-    cdt = lse.dtype
-    n_q, n_kv = q.shape[1], keys.shape[2]
-    dout, q, out = dout.to(cdt), q.to(cdt), out.to(cdt)
-    keys, values = keys.to(cdt), values.to(cdt)
-
-    p = torch.exp(_branch_scores(q, keys, scale) - lse)  # [P, T, Hq]
-    delta = (dout * out).sum(-1)  # [T, Hq]
-    dp = (dout * _expand_heads(values, n_q)).sum(-1)  # dO . v_p, [P, T, Hq]
-    ds = (p * (dp - delta)).unsqueeze(-1)  # [P, T, Hq, 1]
-    dq = scale * (ds * _expand_heads(keys, n_q)).sum(0)
-    dk = scale * _sum_groups(ds * q, n_kv)
-    dv = _sum_groups(p.unsqueeze(-1) * dout, n_kv)
-    return dq, dk, dv
 
 
 def ttt_attention(
@@ -113,7 +106,8 @@ def ttt_attention(
     """
     assert len(keys) == len(values) >= 1, (len(keys), len(values))
     assert all(k.shape == keys[0].shape for k in (*keys, *values)), "keys/values shapes differ"
-    assert q.shape[0] == keys[0].shape[0] and q.shape[2] == keys[0].shape[2], (q.shape, keys[0].shape)
+    assert q.shape[0] == keys[0].shape[0], (q.shape, keys[0].shape)
+    assert q.shape[2] == keys[0].shape[2], (q.shape, keys[0].shape)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     ops = LocalAttentionOps() if ops is None else ops
     return _TTTAttention.apply(q, cu_seqlens, scale, ops, len(keys), *keys, *values)

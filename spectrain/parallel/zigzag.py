@@ -244,7 +244,7 @@ class ShiftPlan:
                 mine = owner == peer
                 if bool(mine.any()):
                     recv[peer] = rows[mine].to(device)
-                p_rows, p_owner, p_src = sources(peer)
+                _, p_owner, p_src = sources(peer)
                 theirs = p_owner == me
                 if bool(theirs.any()):
                     send[peer] = p_src[theirs].to(device)

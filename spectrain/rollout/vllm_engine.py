@@ -119,6 +119,57 @@ class VLLMRolloutEngine:
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return [completion for i, out in enumerate(outputs) for completion in to_completions(i, prompts[i], out)]
 
+    # runtime speculation depth --------------------------------------------------------
+    @property
+    def max_num_seqs(self) -> int:
+        """Most requests vLLM schedules in one step (the largest live batch)."""
+        return self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+
+    def _in_process_scheduler(self):
+        """vLLM's scheduler; its `dynamic_sd_lookup[batch size] -> k` (or None) is read every step."""
+        core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)
+        if core is None:
+            raise RolloutEngineError("step-level control needs the in-process engine: set "
+                                     "VLLM_ENABLE_V1_MULTIPROCESSING=0 before creating VLLMRolloutEngine")
+        return core.scheduler
+
+    def _dynamic_scheduler(self):
+        scheduler = self._in_process_scheduler()
+        if self.draft_dir is None or scheduler.dynamic_sd_lookup is None:
+            raise RolloutEngineError(
+                "this engine cannot change k at runtime: start it with a draft and a per-batch-size schedule, "
+                "e.g. VLLMRolloutEngine(policy_dir, draft_dir, num_speculative_tokens=k_max, "
+                "spec_schedule=[(1, 1, k_max)]), so that vLLM enables its dynamic speculation path")
+        return scheduler
+
+    def set_spec_schedule(self, ranges: list[tuple[int, int, int]]) -> None:
+        """Replace vLLM's per-batch-size schedule `[(lo, hi, k), ...]` on the live engine.
+
+        Takes effect at the next engine step: the drafter proposes `k` tokens at the end of
+        that step, verified in the step after. `k` may not exceed the `num_speculative_tokens`
+        the engine was started with (vLLM sized its buffers for it).
+        """
+        from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+        scheduler = self._dynamic_scheduler()
+        too_deep = [r for r in ranges if r[2] > self.num_speculative_tokens]
+        if too_deep:
+            raise ValueError(f"schedule entries {too_deep} exceed the engine's num_speculative_tokens="
+                             f"{self.num_speculative_tokens}; start the engine with a larger k_max")
+        scheduler.dynamic_sd_lookup = build_dynamic_sd_schedule_lookup(
+            [list(r) for r in ranges], self.max_num_seqs, self.num_speculative_tokens)
+
+    def set_num_speculative_tokens(self, k: int) -> None:
+        """Speculate `k` tokens at every batch size from the next engine step on (0 = draft nothing)."""
+        self.set_spec_schedule([(1, self.max_num_seqs, k)])
+
+    def speculative_tokens_for(self, batch_size: int) -> int:
+        """The `k` vLLM uses at `batch_size` live sequences under the current schedule."""
+        if self.draft_dir is None:
+            return 0
+        lookup = self._in_process_scheduler().dynamic_sd_lookup
+        return self.num_speculative_tokens if lookup is None else lookup[min(max(batch_size, 1), self.max_num_seqs)]
+
     # weight sync ----------------------------------------------------------------------
     def sync_policy(self, weights: NamedTensors, version: int) -> None:
         items = [(name, t.detach().clone()) for name, t in weights]

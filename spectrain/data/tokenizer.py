@@ -1,0 +1,91 @@
+"""Character-level tokenizer for the embedded default recipe.
+
+No tokenizer hub is reachable, so the default recipe builds its own. It is a real
+`tokenizers.Tokenizer` saved in the Hugging Face layout, so vLLM (which loads tokenizers
+through `transformers.AutoTokenizer`) and the trainer produce the same ids.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
+from tokenizers.models import WordLevel
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # ids 0..3, in this order
+CHARSET = (
+    string.digits
+    + "+-*= \n"
+    + string.ascii_lowercase
+    + string.ascii_uppercase
+    + ".,:;?!()'\"/"
+)
+
+
+def build_char_tokenizer() -> Tokenizer:
+    """One token per character; `<bos>` is prepended like Llama so vLLM prompts match SFT."""
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + tuple(CHARSET))}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token=UNK))
+    # `[\s\S]` rather than `.` so newlines are split into their own token too.
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()  # join characters back without separators
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
+    )
+    tokenizer.add_special_tokens(
+        [AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS]
+    )
+    return tokenizer
+
+
+def save_tokenizer(directory: str | Path) -> Path:
+    """Write the files `transformers.AutoTokenizer.from_pretrained(directory)` needs."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    build_char_tokenizer().save(str(directory / "tokenizer.json"))
+    special = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": UNK}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        # transformers would otherwise "clean up" e.g. " ," into "," and break round trips.
+        "clean_up_tokenization_spaces": False,
+        **special,
+    }
+    _write_json(directory / "tokenizer_config.json", config)
+    _write_json(directory / "special_tokens_map.json", special)
+    return directory
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+class CharTokenizer:
+    """Thin wrapper used by the trainer; ids equal `AutoTokenizer` ids for the same text."""
+
+    def __init__(self) -> None:
+        self._tokenizer = build_char_tokenizer()
+        vocab = self._tokenizer.get_vocab()
+        self.pad_id, self.bos_id, self.eos_id, self.unk_id = (vocab[t] for t in SPECIAL_TOKENS)
+        self._known = frozenset(CHARSET)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size()
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        """`add_bos=True` matches what vLLM feeds the model for a string prompt."""
+        return self._tokenizer.encode(text, add_special_tokens=add_bos).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """HF-style name, so `hf_io.save_pretrained(model, dir, tokenizer=...)` can call it."""
+        return save_tokenizer(directory)
+
+    def unknown_chars(self, text: str) -> list[str]:
+        """Characters of `text` that would become `<unk>`, sorted, so callers can reject them."""
+        return sorted(set(text) - self._known)

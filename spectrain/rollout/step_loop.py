@@ -1,0 +1,166 @@
+"""Step-level rollout: drive the in-process vLLM engine one scheduler step at a time.
+
+`VLLMRolloutEngine.generate` hands the whole batch to vLLM and gets completions back.
+Adaptive speculation needs to act *between* engine steps: read the live batch size, pick
+the next step's `k`, and use the long tail's idle steps to train the draft. This loop adds
+the same requests, steps `LLMEngine` until they are done and returns the same completions,
+plus one `StepRecord` per engine step.
+
+Per-step counters come from a tap on vLLM's stat-logger hook (the same `SchedulerStats` /
+`IterationStats` its Prometheus logger sees), because `LLM.get_metrics()` costs ~10 ms,
+as much as a tiny model's decode step.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from spectrain.rollout.base import Completion, SamplingConfig
+from spectrain.rollout.vllm_engine import RolloutEngineError, VLLMRolloutEngine, to_completions
+
+
+@dataclass
+class StepRecord:
+    """One engine step.
+
+    `k` is what the drafter proposes at the end of this step (verified in the next one);
+    `drafts`, `draft_tokens` and `accepted` count the verification done in this step, i.e.
+    of the previous step's proposals.
+    """
+
+    live: int  # sequences scheduled in this step
+    k: int
+    drafts: int
+    draft_tokens: int
+    accepted: int
+    seconds: float
+    tokens: int  # tokens generated in this step (bonus + accepted per sequence)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per sequence per target forward; 1.0 when nothing was verified."""
+        return 1.0 + self.accepted / self.drafts if self.drafts else 1.0
+
+
+@dataclass
+class StepLoopResult:
+    completions: list[Completion]
+    trace: list[StepRecord]
+
+    @property
+    def seconds(self) -> float:
+        return sum(r.seconds for r in self.trace)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.completions)
+
+
+class StepController(Protocol):
+    """Chooses `k` before each engine step and sees each step's record after it."""
+
+    def begin_rollout(self) -> None: ...
+
+    def before_step(self, live: int) -> int: ...
+
+    def after_step(self, record: StepRecord) -> None: ...
+
+
+class IdleStepHook(Protocol):
+    """Work that may run between engine steps (e.g. long-tail draft training)."""
+
+    def begin_rollout(self) -> None: ...
+
+    def maybe_run(self, live: int) -> bool: ...
+
+
+def _stats_tap_class():
+    from vllm.v1.metrics.loggers import AggregateStatLoggerBase
+
+    class StepStatsTap(AggregateStatLoggerBase):
+        """Accumulates what vLLM reports for the current engine step."""
+
+        def __init__(self) -> None:
+            self.reset()
+
+        def reset(self) -> None:
+            self.drafts = self.draft_tokens = self.accepted = self.tokens = 0
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0) -> None:
+            spec = scheduler_stats.spec_decoding_stats if scheduler_stats is not None else None
+            if spec is not None:
+                self.drafts += spec.num_drafts
+                self.draft_tokens += spec.num_draft_tokens
+                self.accepted += spec.num_accepted_tokens
+            if iteration_stats is not None:
+                self.tokens += iteration_stats.num_generation_tokens
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return StepStatsTap
+
+
+def generate_stepwise(
+    engine: VLLMRolloutEngine,
+    prompts: list[list[int]],
+    sampling: SamplingConfig | Sequence[SamplingConfig],
+    controller: StepController | None = None,
+    idle_hook: IdleStepHook | None = None,
+) -> StepLoopResult:
+    """`engine.generate(prompts, sampling)` one engine step at a time.
+
+    Args:
+        sampling: one config for all prompts, or one per prompt (e.g. per-request max_tokens).
+        controller: sets `k` before every step (`engine.set_num_speculative_tokens`); the
+            engine must then have been started with a per-batch-size schedule.
+        idle_hook: called between steps with the live batch size while requests remain.
+            The controller's last `k` stays in effect after the loop.
+    """
+    from vllm.inputs import TokensPrompt
+
+    configs = [sampling] * len(prompts) if isinstance(sampling, SamplingConfig) else list(sampling)
+    if len(configs) != len(prompts):
+        raise ValueError(f"{len(configs)} sampling configs for {len(prompts)} prompts; pass one, or one per prompt")
+    llm_engine = engine.llm.llm_engine
+    if llm_engine.logger_manager is None:
+        raise RolloutEngineError("the step loop reads vLLM's per-step stats: start the engine with "
+                                 "disable_log_stats=False (VLLMRolloutEngine does)")
+    engine._in_process_scheduler()  # fail early, before adding requests, if the core is out of process
+    for hook in (controller, idle_hook):
+        if hook is not None:
+            hook.begin_rollout()
+    tap = _stats_tap_class()()
+    llm_engine.logger_manager.stat_loggers.append(tap)
+    params = [engine.sampling_params(c, len(p)) for c, p in zip(configs, prompts)]
+    request_ids = engine.llm.enqueue([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    finished = []
+    trace: list[StepRecord] = []
+    try:
+        while llm_engine.has_unfinished_requests():
+            live = min(llm_engine.get_num_unfinished_requests(), engine.max_num_seqs)
+            if controller is not None:
+                k = controller.before_step(live)
+                if k != engine.speculative_tokens_for(live):
+                    engine.set_num_speculative_tokens(k)
+            tap.reset()
+            started = time.perf_counter()
+            finished += [out for out in llm_engine.step() if out.finished]
+            record = StepRecord(live, engine.speculative_tokens_for(live), tap.drafts, tap.draft_tokens,
+                                tap.accepted, time.perf_counter() - started, tap.tokens)
+            trace.append(record)
+            if controller is not None:
+                controller.after_step(record)
+            if idle_hook is not None and llm_engine.has_unfinished_requests():
+                idle_hook.maybe_run(min(llm_engine.get_num_unfinished_requests(), engine.max_num_seqs))
+    except BaseException:
+        llm_engine.abort_request(request_ids, internal=True)
+        raise
+    finally:
+        llm_engine.logger_manager.stat_loggers.remove(tap)
+    # vLLM numbers requests in the order added, as `LLM.generate` relies on too
+    outputs = sorted(finished, key=lambda out: int(out.request_id))
+    completions = [c for i, out in enumerate(outputs) for c in to_completions(i, prompts[i], out)]
+    return StepLoopResult(completions, trace)
