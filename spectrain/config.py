@@ -135,6 +135,7 @@ class TrainerConfig:
     max_steps: int = 20
     seed: int = 0
     run_dir: str = "runs/tiny_cpu"
+    warmstart_dir: str | None = None  # SFT policy + draft warm-up cache; None: <run_dir>/warmstart
     resume: str = "auto"  # auto: resume an existing run dir | never: refuse an existing one
     logger: str = "csv"  # csv | tensorboard
     log_every_n_steps: int = 1

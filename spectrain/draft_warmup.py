@@ -51,9 +51,9 @@ def warm_up_draft(draft: Eagle3Draft, policy: LlamaForCausalLM, source, tokenize
     return losses
 
 
-def build_and_warm_up_draft(config, policy: LlamaForCausalLM, source, tokenizer, run_dir: Path) -> Eagle3Draft:
+def build_and_warm_up_draft(config, policy: LlamaForCausalLM, source, tokenizer, cache_root: Path) -> Eagle3Draft:
     d = config.draft
-    cache = run_dir / "warmstart" / "draft"
+    cache = cache_root / "draft"
     # the mode (co-trained / frozen) does not change the warm-up: runs that differ only in it share it
     draft_settings = {k: v for k, v in asdict(d).items()
                       if k in ("aux_layer_ids", "lr", "warmup_steps", "ttt_steps", "pass_decay")}

@@ -82,6 +82,9 @@ class GRPOModule(L.LightningModule):
         opts = self.optimizers()
         return opts[0] if isinstance(opts, list) else opts
 
+    def transfer_batch_to_device(self, batch, device, dataloader_idx):
+        return batch  # prompts are strings: nothing to move, and Lightning rejects frozen dataclasses
+
     # weight sync (PP overrides these to gather stages) ----------------------------------
     def policy_weights_for_sync(self):
         return self.plan.policy_weights(self.policy)

@@ -69,6 +69,7 @@ class SpecTrainer:
         self.config = config
         self.extra_callbacks = list(callbacks or [])
         self.run_dir = Path(config.trainer.run_dir)
+        self.warmstart_dir = Path(config.trainer.warmstart_dir or self.run_dir / "warmstart")
         self.engine: RolloutEngine | None = None
         self.module: GRPOModule | None = None
         self.trainer: L.Trainer | None = None
@@ -109,7 +110,7 @@ class SpecTrainer:
             return None
         from spectrain.draft_warmup import build_and_warm_up_draft
 
-        return build_and_warm_up_draft(self.config, policy, self.source, self.tokenizer, self.run_dir)
+        return build_and_warm_up_draft(self.config, policy, self.source, self.tokenizer, self.warmstart_dir)
 
     def build_rollout_engine(self, policy_dir: Path, draft_dir: Path | None) -> RolloutEngine:
         from spectrain.rollout.vllm_engine import VLLMRolloutEngine
@@ -152,7 +153,7 @@ class SpecTrainer:
         self._reward_fn = get_reward_fn(self.config.task.reward, partial_credit=self.config.task.partial_credit)
         self.check_lengths()
         policy, _ = warm_start_policy(self.config, self.build_policy(), self.source, self.tokenizer,
-                                      self.run_dir, progress=self.config.trainer.progress_bar)
+                                      self.warmstart_dir, progress=self.config.trainer.progress_bar)
         draft = self.build_draft(policy)
         policy_dir, draft_dir = self.export_models(policy, draft, self.run_dir / "engine_init")
         self.engine = self.build_rollout_engine(policy_dir, draft_dir)

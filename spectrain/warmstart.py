@@ -61,10 +61,10 @@ def train_sft(policy: LlamaForCausalLM, task, tokenizer, steps: int, batch_size:
     return losses
 
 
-def warm_start_policy(config, policy: LlamaForCausalLM, task, tokenizer, run_dir: Path,
+def warm_start_policy(config, policy: LlamaForCausalLM, task, tokenizer, cache_root: Path,
                       progress: bool = True) -> tuple[LlamaForCausalLM, dict]:
     """Return the SFT'd policy, training it only if no matching cache exists in the run."""
-    cache = run_dir / "warmstart"
+    cache = cache_root
     settings = {"policy": asdict(config.policy), "task": asdict(config.task), "sft": asdict(config.sft),
                 "seed": config.trainer.seed}
     meta_path = cache / "meta.json"

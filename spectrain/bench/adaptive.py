@@ -1,0 +1,420 @@
+"""`spectrain bench adaptive`: fixed k vs the concurrency rule vs the bandit on a long-tailed rollout.
+
+One process, two in-process engines: a plain one (the no-draft baseline, which also writes
+the draft's training data) and one with an EAGLE-3 draft started with `k_max` and a
+per-batch-size schedule, so every config runs on the same engine by setting `k` per step.
+
+Workload: a tiny random Llama policy decoding greedily (so every config generates the same
+tokens and only speed differs), per-request `max_tokens` drawn from a lognormal (a few long
+completions hold the batch while most have finished), and a draft trained with TTT on the
+policy's own greedy outputs so it agrees often. Every config runs `repeats` times,
+interleaved; the tables report median and spread (min..max).
+
+The end-to-end part runs GRPO-like steps (rollout with sampling, GRPO policy step, draft TTT
+step, weight sync) with and without long-tail spot draft training.
+
+Options (key=value): see `BenchOptions`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from spectrain.models.eagle3 import Eagle3Config, Eagle3Draft, draft_sync_weights, export_draft, load_draft, ttt_loss
+from spectrain.models.hf_io import load_pretrained, save_pretrained
+from spectrain.models.llama import LlamaConfig, LlamaForCausalLM
+from spectrain.plots import plot_panels
+from spectrain.rl.batch import RolloutBatch, build_rollout_batch
+from spectrain.rl.grpo import group_advantages, grpo_loss, token_logprobs
+from spectrain.rollout.adaptive import (
+    BanditController,
+    ConcurrencyController,
+    FixedK,
+    LongTailTrainer,
+    SpecController,
+    machine_label,
+    verify_forward,
+)
+from spectrain.rollout.base import Completion, SamplingConfig
+from spectrain.rollout.speculation import (
+    BanditSelector,
+    ConcurrencyAwareRule,
+    LongTailPolicy,
+    SpecArm,
+    buckets_by_verify_budget,
+    calibrate_verify_budget,
+    measure_forward_time,
+)
+from spectrain.rollout.step_loop import StepLoopResult, generate_stepwise
+from spectrain.rollout.vllm_engine import VLLMRolloutEngine
+
+
+@dataclass
+class BenchOptions:
+    out: str = "docs/benchmarks"
+    run_dir: str = ""  # use <run_dir>/final/{policy,draft} instead of the built-in tiny pair
+    seed: int = 0
+    hidden: int = 256
+    layers: int = 4
+    prompts: int = 64
+    median_tokens: float = 16.0  # lognormal per-request max_tokens: median, sigma, clipped to [4, max_tokens]
+    sigma: float = 1.0
+    max_tokens: int = 96
+    k_max: int = 5
+    repeats: int = 3
+    draft_steps: int = 200
+    draft_batch: int = 32
+    bandit_arms: str = "1,2,3,4,5"
+    bandit_edges: str = "4,16,64"
+    verify_budget: int = 0  # 0: calibrate here with the `spectrain calibrate` procedure
+    e2e_prompts: int = 12
+    e2e_group: int = 4
+    e2e_steps: int = 4  # per run; the first has no taps to spot-train on and is not timed
+    e2e_temperature: float = 0.7
+    long_tail_threshold: int = 8
+    long_tail_max_steps: int = 4
+
+
+def parse_options(overrides: list[str]) -> BenchOptions:
+    fields = {f.name: f for f in dataclasses.fields(BenchOptions)}
+    values = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields:
+            raise SystemExit(f"bench adaptive: bad option '{item}'; use key=value with key in {sorted(fields)}")
+        values[key] = type(getattr(BenchOptions(), key))(value)
+    return BenchOptions(**values)
+
+
+def log(msg: str) -> None:
+    print(f"[bench adaptive {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# --------------------------------------------------------------------------- models
+def tiny_policy(opts: BenchOptions) -> LlamaForCausalLM:
+    cfg = LlamaConfig(vocab_size=128, hidden_size=opts.hidden, intermediate_size=2 * opts.hidden,
+                      num_hidden_layers=opts.layers, num_attention_heads=opts.hidden // 32,
+                      num_key_value_heads=max(1, opts.hidden // 64), max_position_embeddings=256)
+    torch.manual_seed(opts.seed)
+    policy = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # a zero EOS row: greedy rarely stops early, max_tokens sets the lengths
+        policy.lm_head.weight[cfg.eos_token_id].zero_()
+    return policy
+
+
+def random_prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(4, 80) for _ in range(8)] for _ in range(n)]
+
+
+def long_tailed_lengths(opts: BenchOptions, n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [min(opts.max_tokens, max(4, round(rng.lognormvariate(math.log(opts.median_tokens), opts.sigma))))
+            for _ in range(n)]
+
+
+def draft_loss_on(draft: Eagle3Draft, policy: LlamaForCausalLM, batch: RolloutBatch, out, ttt_steps: int):
+    logits = draft(out.embeds, out.aux_hidden, batch.position_ids, batch.cu_seqlens, ttt_steps,
+                   ops=policy.attention_ops)
+    return ttt_loss(logits, out.logits, batch.response_mask, batch.cu_seqlens, draft.t2d)
+
+
+def train_draft(draft: Eagle3Draft, policy: LlamaForCausalLM, data: list[Completion], opts: BenchOptions) -> float:
+    """TTT on the policy's own greedy outputs; returns the last pass-1 top-1 agreement."""
+    rng = random.Random(opts.seed)
+    opt = torch.optim.AdamW(draft.parameters(), lr=3e-3)
+    top1 = 0.0
+    for step in range(opts.draft_steps):
+        batch = build_rollout_batch(rng.sample(data, min(opts.draft_batch, len(data))), torch.zeros(
+            min(opts.draft_batch, len(data))))
+        with torch.no_grad():
+            out = policy(batch.input_ids, batch.position_ids, batch.cu_seqlens, capture_layers=draft.cfg.aux_layer_ids)
+        loss, metrics = draft_loss_on(draft, policy, batch, out, opts.k_max)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        opt.step()
+        top1 = metrics.accuracy.tolist()
+        if step % 50 == 0 or step == opts.draft_steps - 1:
+            log(f"draft TTT step {step}: loss {loss.item():.3f}, top-1 by pass {[round(a, 2) for a in top1]}")
+    return top1
+
+
+def prepare_models(opts: BenchOptions, work: Path) -> tuple[Path, Path | None, LlamaForCausalLM]:
+    """(policy dir, draft dir or None if it must be trained, policy)."""
+    if opts.run_dir:
+        final = Path(opts.run_dir) / "final"
+        return final / "policy", final / "draft", load_pretrained(final / "policy")
+    from spectrain.data.tokenizer import save_tokenizer
+
+    policy = tiny_policy(opts)
+    policy_dir = save_pretrained(policy, work / "policy")
+    save_tokenizer(policy_dir)
+    return policy_dir, None, policy
+
+
+# -------------------------------------------------------------------------- running
+def timed_rollout(engine, prompts, sampling, controller=None, idle_hook=None) -> tuple[StepLoopResult, float]:
+    started = time.perf_counter()
+    result = generate_stepwise(engine, prompts, sampling, controller, idle_hook)
+    return result, time.perf_counter() - started
+
+
+def summarize(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
+
+
+def calibrated_budget(policy: LlamaForCausalLM, opts: BenchOptions) -> dict:
+    """`spectrain calibrate`'s procedure on the bench's policy: C from the target forward's knee."""
+    counts = [2 ** i for i in range(12)]
+    with torch.inference_mode():
+        times = measure_forward_time(lambda n: verify_forward(policy, n, opts.k_max + 1), counts, repeats=5)
+    return calibrate_verify_budget(times.__getitem__, counts).to_dict()
+
+
+def throughput_configs(opts: BenchOptions, budget: int) -> dict[str, Callable[[], SpecController | None]]:
+    arms = [SpecArm(int(k)) for k in opts.bandit_arms.split(",")]
+    edges = [int(e) for e in opts.bandit_edges.split(",")]
+    bandit = BanditController(BanditSelector(arms, buckets_by_verify_budget(arms, edges, budget), seed=opts.seed))
+    rule = ConcurrencyController(ConcurrencyAwareRule(budget, k_max=opts.k_max, n_max=opts.k_max + 1))
+    configs: dict[str, Callable[[], SpecController | None]] = {"no draft": lambda: None}
+    for k in range(1, opts.k_max + 1):
+        configs[f"fixed k={k}"] = lambda k=k: FixedK(k)
+    configs["concurrency"] = lambda: rule
+    configs["bandit"] = lambda: bandit  # one bandit: it keeps learning across repeats, as in training
+    return configs
+
+
+def run_throughput(opts, plain, spec, configs, prompts, sampling) -> tuple[dict, dict]:
+    """Interleaved repeats (plus one untimed warm-up round); tokens/s of the whole rollout."""
+    tokens_per_s = {name: [] for name in configs}
+    traces = {}
+    for rep in range(-1, opts.repeats):
+        for name, make in configs.items():
+            engine = plain if name == "no draft" else spec
+            result, seconds = timed_rollout(engine, prompts, sampling, make())
+            if rep >= 0:
+                tokens_per_s[name].append(result.num_tokens / seconds)
+                traces[name] = result.trace
+        if rep >= 0:
+            log(f"repeat {rep}: " + ", ".join(f"{n} {v[-1]:.0f}" for n, v in tokens_per_s.items()))
+    return {n: summarize(v) for n, v in tokens_per_s.items()}, traces
+
+
+# ----------------------------------------------------------------------- end to end
+@dataclass
+class E2EState:
+    policy: LlamaForCausalLM
+    draft: Eagle3Draft
+    policy_opt: torch.optim.Optimizer
+    draft_opt: torch.optim.Optimizer
+    taps: tuple | None = None  # (batch, policy output) of the latest policy step
+
+
+def draft_step(state: E2EState, ttt_steps: int) -> None:
+    batch, out = state.taps
+    loss, _ = draft_loss_on(state.draft, state.policy, batch, out, ttt_steps)
+    state.draft_opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(state.draft.parameters(), 1.0)
+    state.draft_opt.step()
+
+
+def grpo_like_step(state: E2EState, engine, prompts, sampling, controller, spot: LongTailTrainer | None,
+                   opts: BenchOptions) -> dict:
+    """Rollout, GRPO policy step (taps captured), draft step, weight sync; seconds of each."""
+    t0 = time.perf_counter()
+    result = generate_stepwise(engine, prompts, sampling, controller, spot)
+    t1 = time.perf_counter()
+    # toy verifiable reward: share of even token ids (varies within a group, so advantages are non-zero)
+    rewards = torch.tensor([sum(t % 2 == 0 for t in c.token_ids) / max(len(c.token_ids), 1)
+                            for c in result.completions])
+    batch = build_rollout_batch(result.completions, group_advantages(rewards, opts.e2e_group))
+    out = state.policy(batch.input_ids, batch.position_ids, batch.cu_seqlens,
+                       capture_layers=state.draft.cfg.aux_layer_ids)
+    logprobs = token_logprobs(out.logits, batch.targets)
+    loss = grpo_loss(logprobs, logprobs.detach(), batch.advantages, batch.response_mask).loss
+    state.policy_opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(state.policy.parameters(), 1.0)
+    state.policy_opt.step()
+    state.taps = (batch, out)  # the draft and its loss detach what they read
+    draft_step(state, opts.k_max)
+    t2 = time.perf_counter()
+    engine.sync_policy([(n, p.detach()) for n, p in state.policy.state_dict().items()], 0)
+    engine.sync_draft(draft_sync_weights(state.draft), 0)
+    t3 = time.perf_counter()
+    spec = sum(r.accepted for r in result.trace), sum(r.drafts for r in result.trace)
+    return {"step_s": t3 - t0, "rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2,
+            "spot_steps": spot.steps if spot else 0, "spot_s": spot.seconds if spot else 0.0,
+            "acceptance_length": 1 + spec[0] / spec[1] if spec[1] else 1.0}
+
+
+def run_e2e(opts, spec, policy_dir, draft_dir, budget) -> dict:
+    """Interleaved runs of `e2e_steps` GRPO-like steps without / with spot training, from the same start."""
+    prompts = [p for p in random_prompts(opts.e2e_prompts, opts.seed + 7)]
+    lengths = long_tailed_lengths(opts, len(prompts), opts.seed + 7)
+    sampling = [SamplingConfig(n=opts.e2e_group, max_tokens=m, temperature=opts.e2e_temperature, seed=opts.seed)
+                for m in lengths]
+    rule = ConcurrencyAwareRule(budget, k_max=opts.k_max, n_max=opts.k_max + 1)
+    results = {"without long tail": [], "with long tail": []}
+    for rep in range(opts.repeats):
+        for name in results:
+            policy, draft = load_pretrained(policy_dir), load_draft(draft_dir)
+            state = E2EState(policy, draft, torch.optim.AdamW(policy.parameters(), lr=1e-4),
+                             torch.optim.AdamW(draft.parameters(), lr=1e-3))
+            spec.sync_policy([(n, p.detach()) for n, p in policy.state_dict().items()], 0)
+            spec.sync_draft(draft_sync_weights(draft), 0)
+            spot_policy = LongTailPolicy(opts.long_tail_threshold, mode=name == "with long tail",
+                                         max_steps=opts.long_tail_max_steps)
+            steps = []
+            for i in range(opts.e2e_steps):
+                spot = LongTailTrainer(spot_policy, lambda: draft_step(state, opts.k_max)) if state.taps else None
+                steps.append(grpo_like_step(state, spec, prompts, sampling, ConcurrencyController(rule), spot, opts))
+            results[name].append(steps[1:])
+            log(f"e2e repeat {rep} {name}: step s {[round(s['step_s'], 2) for s in steps[1:]]}, "
+                f"spot steps {[s['spot_steps'] for s in steps[1:]]}")
+    return {name: {key: summarize([statistics.mean(s[key] for s in run) for run in runs])
+                   for key in ("step_s", "rollout_s", "train_s", "sync_s", "spot_steps", "spot_s", "acceptance_length")}
+            for name, runs in results.items()}
+
+
+# -------------------------------------------------------------------------- reports
+def cost_curve(traces: dict) -> dict[str, tuple[list[int], list[float]]]:
+    """Median engine-step seconds by live batch, per fixed k (the verify + draft cost the rules trade)."""
+    curves = {}
+    for name, trace in traces.items():
+        if name.startswith("fixed"):
+            by_live: dict[int, list[float]] = {}
+            for r in trace[1:]:
+                by_live.setdefault(r.live, []).append(r.seconds)
+            lives = sorted(by_live)
+            curves[name] = (lives, [1e3 * statistics.median(by_live[b]) for b in lives])
+    return curves
+
+
+def write_reports(out: Path, data: dict, traces: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "adaptive.json").write_text(json.dumps(data, indent=2) + "\n")
+    tp = data["throughput_tokens_per_s"]
+    ks = [k for k in range(1, data["options"]["k_max"] + 1)]
+    flat = lambda v: ([0, ks[-1]], [v, v])  # noqa: E731
+    plot_panels(out / "adaptive.png", f"adaptive speculation, long-tailed rollout ({data['machine']})", [
+        ("rollout tokens/s (median)", {
+            "fixed k": (ks, [tp[f"fixed k={k}"]["median"] for k in ks]),
+            "no draft": flat(tp["no draft"]["median"]),
+            "concurrency rule": flat(tp["concurrency"]["median"]),
+            "bandit": flat(tp["bandit"]["median"])}),
+        ("engine step ms (median) by live batch", cost_curve(traces)),
+        ("k chosen by live batch (last repeat)", {
+            name: ([r.live for r in traces[name]], [r.k for r in traces[name]]) for name in ("concurrency", "bandit")}),
+    ], xlabel="k  |  live batch  |  live batch", logx=False)
+    (out / "adaptive.md").write_text(markdown(data))
+
+
+def markdown(data: dict) -> str:
+    tp, e2e, h = data["throughput_tokens_per_s"], data["end_to_end"], data["headline"]
+    rows = "\n".join(f"| {name} | {v['median']:.0f} | {v['min']:.0f}..{v['max']:.0f} |" for name, v in tp.items())
+    e2e_rows = "\n".join(
+        f"| {name} | {v['step_s']['median']:.2f} ({v['step_s']['min']:.2f}..{v['step_s']['max']:.2f}) | "
+        f"{v['rollout_s']['median']:.2f} | {v['train_s']['median']:.2f} | {v['spot_steps']['median']:.1f} | "
+        f"{v['spot_s']['median']:.2f} | {v['acceptance_length']['median']:.2f} |" for name, v in e2e.items())
+    o = data["options"]
+    return f"""# Adaptive speculation benchmark
+
+`spectrain bench adaptive` ({data['command']}), one process, {data['seconds']:.0f} s.
+Machine: {data['machine']}; load average {data['load_average_start']} at start, {data['load_average_end']} at end
+(the machine is shared: absolute numbers are only comparable within this run).
+
+Workload: {o['prompts']} prompts, greedy, per-request max_tokens ~ lognormal(median {o['median_tokens']},
+sigma {o['sigma']}) clipped to [4, {o['max_tokens']}] ({data['workload']['total_tokens']} tokens, longest
+{data['workload']['longest']}); policy: {data['policy']}; draft: EAGLE-3 trained {o['draft_steps']} TTT steps on the
+policy's greedy outputs (pass top-1 {data['draft_top1']}). Verify budget C = {data['verify_budget']}
+({data['verify_budget_source']}).
+
+## Headline
+
+Adaptive vs best fixed k ({h['best_fixed']}): concurrency rule **{h['concurrency_vs_best_fixed']:.2f}x**,
+bandit **{h['bandit_vs_best_fixed']:.2f}x**; best fixed k vs no draft {h['best_fixed_vs_no_draft']:.2f}x.
+Target (>= 1.1x of the best fixed k): {'met' if h['target_met'] else 'NOT met'}.
+
+## Rollout throughput (generated tokens/s, {o['repeats']} interleaved repeats)
+
+| config | median | spread (min..max) |
+|---|---|---|
+{rows}
+
+## End to end: GRPO-like steps (rollout + policy step + draft step + weight sync)
+
+Concurrency rule in both; {o['e2e_prompts']} prompts x {o['e2e_group']} samples, temperature {o['e2e_temperature']};
+spot training below {o['long_tail_threshold']} live sequences, at most {o['long_tail_max_steps']} draft steps per
+rollout, on the previous step's taps. Mean over steps 2..{o['e2e_steps']} of each run, median over runs.
+
+| | step s (spread) | rollout s | train s | spot steps | spot s | acceptance length |
+|---|---|---|---|---|---|---|
+{e2e_rows}
+
+![adaptive speculation](adaptive.png)
+"""
+
+
+def main(overrides: list[str]) -> int:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    opts = parse_options(overrides)
+    started, load_start = time.perf_counter(), os.getloadavg()
+    work = Path(tempfile.mkdtemp(prefix="spectrain_bench_adaptive_"))
+    policy_dir, draft_dir, policy = prepare_models(opts, work)
+    plain = VLLMRolloutEngine(policy_dir, None, max_model_len=256, seed=opts.seed)
+    top1 = None
+    if draft_dir is None:
+        train_prompts = random_prompts(256, opts.seed + 1)
+        data = plain.generate(train_prompts, SamplingConfig(max_tokens=opts.max_tokens, temperature=0.0))
+        draft = Eagle3Draft(Eagle3Config.from_policy(policy.cfg))
+        top1 = [round(a, 2) for a in train_draft(draft, policy, data, opts)]
+        draft_dir = export_draft(draft, work / "draft", policy.cfg)
+    spec = VLLMRolloutEngine(policy_dir, draft_dir, num_speculative_tokens=opts.k_max,
+                             spec_schedule=[(1, 1, opts.k_max)], max_model_len=256, seed=opts.seed)
+    calibration = None
+    if opts.verify_budget:
+        budget, source = opts.verify_budget, "given"
+    else:
+        calibration = calibrated_budget(policy, opts)
+        budget, source = calibration["verify_budget"], "calibrated here: target forward knee, `spectrain calibrate`"
+    log(f"verify budget C = {budget} ({source})")
+    prompts = random_prompts(opts.prompts, opts.seed + 2)
+    lengths = long_tailed_lengths(opts, opts.prompts, opts.seed + 2)
+    sampling = [SamplingConfig(max_tokens=m, temperature=0.0) for m in lengths]
+    throughput, traces = run_throughput(opts, plain, spec, throughput_configs(opts, budget), prompts, sampling)
+    plain.shutdown()
+    e2e = run_e2e(opts, spec, policy_dir, draft_dir, budget)
+    spec.shutdown()
+    fixed = {n: v["median"] for n, v in throughput.items() if n.startswith("fixed")}
+    best = max(fixed, key=fixed.get)
+    headline = {"best_fixed": best,
+                "concurrency_vs_best_fixed": throughput["concurrency"]["median"] / fixed[best],
+                "bandit_vs_best_fixed": throughput["bandit"]["median"] / fixed[best],
+                "best_fixed_vs_no_draft": fixed[best] / throughput["no draft"]["median"]}
+    headline["target_met"] = max(headline["concurrency_vs_best_fixed"], headline["bandit_vs_best_fixed"]) >= 1.1
+    data = {"command": "spectrain bench adaptive " + " ".join(overrides), "machine": machine_label(),
+            "load_average_start": [round(x, 1) for x in load_start],
+            "load_average_end": [round(x, 1) for x in os.getloadavg()],
+            "seconds": time.perf_counter() - started, "options": dataclasses.asdict(opts),
+            "policy": opts.run_dir or f"random Llama hidden {opts.hidden}, {opts.layers} layers, vocab 128",
+            "draft_top1": top1, "verify_budget": budget, "verify_budget_source": source, "calibration": calibration,
+            "workload": {"total_tokens": sum(lengths), "longest": max(lengths), "max_tokens": lengths},
+            "throughput_tokens_per_s": throughput, "end_to_end": e2e, "headline": headline,
+            "traces": {n: [dataclasses.asdict(r) for r in t] for n, t in traces.items()}}
+    write_reports(Path(opts.out), data, traces)
+    log(f"headline: {json.dumps(headline)}; wrote {opts.out}/adaptive.{{json,md,png}}")
+    return 0

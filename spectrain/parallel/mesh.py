@@ -1,0 +1,39 @@
+"""The one named device mesh of a run: ``("pp", "dp", "cp")``.
+
+``cp`` is innermost so a CP group (the ring, the heaviest traffic) is made of neighbouring
+ranks (one node), then ``dp``, then ``pp`` outermost (pipeline P2P is the lightest).
+Code takes the group it needs from the mesh (``mesh["cp"].get_group()``), never WORLD.
+"""
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_DIMS = ("pp", "dp", "cp")
+
+
+def world_size() -> int:
+    """Processes of this run: the process group's, else the launcher's (torchrun) environment."""
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_mesh_shape(pp: int, dp: int, cp: int, world: int) -> None:
+    """A ValueError naming the fix unless ``pp x dp x cp`` is exactly the world."""
+    bad = [f"parallel.{k}={v}" for k, v in (("pp", pp), ("dp", dp), ("cp", cp)) if v < 1]
+    if bad:
+        raise ValueError(f"{', '.join(bad)}: every mesh size must be >= 1")
+    if pp * dp * cp != world:
+        fit = (f"set parallel.dp={world // (pp * cp)}" if world % (pp * cp) == 0 else
+               f"parallel.pp x parallel.cp = {pp * cp} does not divide {world}: pick sizes whose product divides it")
+        raise ValueError(
+            f"parallel.pp x parallel.dp x parallel.cp = {pp} x {dp} x {cp} = {pp * dp * cp}, but the world has "
+            f"{world} process(es). Launch {pp * dp * cp} processes (`spectrain fit` launches pp*dp*cp itself; "
+            f"torchrun needs --nproc-per-node {pp * dp * cp}), or fit the mesh to {world}: {fit}")
+
+
+def build_mesh(pp: int, dp: int, cp: int, device_type: str = "cpu") -> DeviceMesh:
+    """A ``pp x dp x cp`` mesh over every process; the sizes must multiply to the world size."""
+    check_mesh_shape(pp, dp, cp, world_size())
+    return init_device_mesh(device_type, (pp, dp, cp), mesh_dim_names=MESH_DIMS)

@@ -1,0 +1,162 @@
+"""`SpecParallelStrategy`: Lightning's view of a dp x cp x pp run (registered as "spec_parallel").
+
+One process per mesh rank, started by torchrun (`spectrain fit ... parallel.cp=N` starts it
+itself). The module is not wrapped: the plan (`GRPOModule.plan`) owns every collective of
+a step (sharding, ring attention, gradient reduction). Lightning gets ranks, barrier,
+broadcast, reduce (for logged sums) and checkpoints from it; under dp x cp every rank holds
+the whole model, so rank 0 writes a plain single-file checkpoint.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import TorchElasticEnvironment
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch.distributed.device_mesh import DeviceMesh
+
+from spectrain.config import ParallelConfig
+from spectrain.parallel.mesh import build_mesh, check_mesh_shape, world_size
+
+STRATEGY_NAME = "spec_parallel"
+
+
+def relaunch_under_torchrun(nproc: int, cli_args: list[str]) -> int:
+    """Run `spectrain <cli_args>` as `nproc` local processes under torch.distributed.run; its exit code."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "spectrain.cli", *cli_args]
+    print(f"[spectrain] launching {nproc} processes: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    return subprocess.call(cmd)
+
+
+class SpecParallelStrategy(ParallelStrategy):
+    """Processes, mesh and plan of a multi-process run; no DDP wrapper.
+
+    Args:
+        parallel: mesh sizes (and the pipeline settings the pp plan reads).
+        process_group_backend: default gloo on CPU, ``cpu:gloo,cuda:nccl`` on GPU (object
+            broadcasts of the rollout stay on CPU).
+    """
+
+    def __init__(self, parallel: ParallelConfig | None = None, process_group_backend: str | None = None,
+                 timeout: timedelta = timedelta(minutes=30), **kwargs: Any) -> None:
+        if kwargs.get("cluster_environment") is None and TorchElasticEnvironment.detect():
+            kwargs["cluster_environment"] = TorchElasticEnvironment()  # ranks are known before the Trainer exists
+        super().__init__(**kwargs)
+        self.parallel = parallel or ParallelConfig()
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._mesh: DeviceMesh | None = None
+        self._plan = None
+        self.num_nodes = 1  # set by the accelerator connector
+
+    # processes, mesh, plan -----------------------------------------------------------------
+    def _device_type(self) -> str:
+        return self.root_device.type if self.parallel_devices else "cpu"
+
+    def setup_distributed(self) -> None:
+        """Join the torchrun process group and build the mesh; idempotent, callable before the Trainer."""
+        p = self.parallel
+        if not dist.is_initialized():
+            check_mesh_shape(p.pp, p.dp, p.cp, world_size())  # before init: its error beats a rendezvous failure
+            backend = self._process_group_backend or ("cpu:gloo,cuda:nccl" if self._device_type() == "cuda"
+                                                      else "gloo")
+            dist.init_process_group(backend, timeout=self._timeout)  # env://: RANK, WORLD_SIZE, MASTER_ADDR/PORT
+        if self._mesh is None:
+            self._mesh = build_mesh(p.pp, p.dp, p.cp, self._device_type())
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        if self._mesh is None:
+            raise RuntimeError("the mesh exists after setup_distributed() (the Trainer calls it in setup_environment)")
+        return self._mesh
+
+    @property
+    def plan(self):
+        if self._plan is None:
+            self._plan = self.build_plan()
+        return self._plan
+
+    def build_plan(self):
+        """The `TrainPlan` for this mesh: `ContextParallelPlan` for pp=1; the pipeline plan plugs in here."""
+        if self.parallel.pp > 1:
+            raise NotImplementedError(
+                f"parallel.pp={self.parallel.pp}: the pipeline plan is not wired into SpecParallelStrategy yet "
+                f"(override build_plan to return it); train with parallel.pp=1")
+        from spectrain.parallel.context_parallel import ContextParallelPlan
+
+        return ContextParallelPlan(self.mesh)
+
+    def connect(self, module) -> None:
+        """Hand the plan to a GRPOModule: checks, replica sync (`plan.prepare`), `module.plan`."""
+        self.plan.prepare(module)
+        module.plan = self.plan
+
+    # Lightning ---------------------------------------------------------------------------
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None, "parallel_devices are set by the Trainer (devices=...)"
+        return self.parallel_devices[self.local_rank]
+
+    def set_world_ranks(self) -> None:
+        # torchrun fixed the ranks; Lightning's rank-zero-only loggers and prints must agree
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            raise RuntimeError(
+                f"{type(self).__name__} needs one process per mesh rank, started by torchrun: run "
+                f"`spectrain fit RECIPE parallel.cp=N` (it launches them) or "
+                f"`torchrun --nproc-per-node N -m spectrain.cli fit RECIPE parallel.cp=N`")
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.setup_distributed()
+
+    def setup(self, trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        self.connect(self.lightning_module)
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def barrier(self, name: str | None = None) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj, src: int = 0):
+        if not dist.is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def reduce(self, tensor, group: Any | None = None, reduce_op: Any | None = "mean"):
+        """In place, like DDP's (clone what you still need)."""
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if isinstance(tensor, torch.Tensor) \
+            else tensor
+
+
+StrategyRegistry.register(STRATEGY_NAME, SpecParallelStrategy,
+                          description="spectrain dp x cp x pp plans over one named mesh, no DDP wrapper")
