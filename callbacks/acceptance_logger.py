@@ -34,7 +34,7 @@ class AcceptanceLengthLogger(Callback):
                       logger=False)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        if self.history:
+        if self.history and pl_module.plan.is_rollout_rank:
             path = Path(self.plot_path or Path(trainer.default_root_dir) / "acceptance_length.png")
             self.plot(path)
 

@@ -39,10 +39,15 @@ class DraftCoTraining(Callback):
             return
         started = time.perf_counter()
         loss, metrics = draft_loss(pl_module, self.ttt_steps, self.pass_decay)
+        # Under dp/cp each rank holds its share of the step: sum them (identity on one process), so the
+        # skip decision is the same on every rank and the logs are the step's.
+        total = trainer.strategy.reduce(loss.detach().clone(), reduce_op="sum")
+        metrics = TTTMetrics(*(trainer.strategy.reduce(t, reduce_op="sum")
+                               for t in (metrics.loss_sum, metrics.correct, metrics.count)))
         # The raw torch optimizer: stepping Lightning's wrapper would advance global_step twice per batch.
         optimizer = pl_module.optimizers()[1].optimizer
         optimizer.zero_grad(set_to_none=True)
-        skipped = not math.isfinite(loss.item())
+        skipped = not math.isfinite(total.item())
         if not skipped:
             pl_module.manual_backward(loss)
             pl_module.plan.reduce_gradients(pl_module.draft)
@@ -54,7 +59,7 @@ class DraftCoTraining(Callback):
         else:
             optimizer.step()
             self.steps_trained += 1
-        log = {"draft/loss": loss.detach(), "draft/seconds": time.perf_counter() - started,
+        log = {"draft/loss": total, "draft/seconds": time.perf_counter() - started,
                "draft/skipped_steps": float(self.steps_skipped)}
         for d, (pass_loss, top1) in enumerate(zip(metrics.loss.tolist(), metrics.accuracy.tolist()), start=1):
             log[f"draft/pass_{d}_loss"] = pass_loss

@@ -32,7 +32,7 @@ class RunHistory(Callback):
         self.history.append(row)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        if self.history:
+        if self.history and trainer.is_global_zero:
             self.plot(Path(self.plot_path or Path(trainer.default_root_dir) / "training.png"))
 
     def column(self, key: str) -> tuple[list[int], list[float]]:

@@ -40,10 +40,15 @@ class WeightSync(Callback):
     def _push(self, trainer, pl_module, draft: bool) -> None:
         version = trainer.global_step
         started = time.perf_counter()
-        pl_module.engine.sync_policy(pl_module.policy_weights_for_sync(), version)
+        # every rank gathers (collective under PP); only the rollout rank holds an engine
+        weights = pl_module.policy_weights_for_sync()
+        if pl_module.plan.is_rollout_rank:
+            pl_module.engine.sync_policy(weights, version)
         self.policy_version = version
         if draft:
-            pl_module.engine.sync_draft(pl_module.draft_weights_for_sync(), version)
+            weights = pl_module.draft_weights_for_sync()
+            if pl_module.plan.is_rollout_rank:
+                pl_module.engine.sync_draft(weights, version)
             self.draft_version = version
             self._draft_check_pending = self.check_alive
         if trainer.global_step > 0:

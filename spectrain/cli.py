@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from spectrain.config import DEFAULT_RECIPE, ConfigError, load_config, to_yaml
@@ -14,12 +15,18 @@ def _fit(args) -> int:
     from spectrain.trainer import RunDirError, SpecTrainer
 
     config = load_config(args.recipe, args.overrides)
+    p = config.parallel
+    if p.pp * p.dp * p.cp > 1 and "LOCAL_WORLD_SIZE" not in os.environ:  # not under torchrun yet: start it
+        from spectrain.parallel.strategy import relaunch_under_torchrun
+
+        return relaunch_under_torchrun(p.pp * p.dp * p.cp, ["fit", args.recipe, *args.overrides])
     try:
         result = SpecTrainer(config).fit()
     except RunDirError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(result.summary(), indent=2))
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps(result.summary(), indent=2))
     return 0
 
 

@@ -15,7 +15,7 @@ import lightning as L
 import torch
 
 from spectrain.config import SpecTrainConfig
-from spectrain.models.llama import LlamaForCausalLM, default_aux_layer_ids
+from spectrain.models.llama import LlamaForCausalLM
 from spectrain.parallel.plan import DraftInputs, LocalPlan, TrainPlan
 from spectrain.rl.batch import RolloutBatch, build_rollout_batch
 from spectrain.rl.grpo import group_advantages, grpo_loss, token_logprobs
@@ -63,8 +63,8 @@ class GRPOModule(L.LightningModule):
 
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:
-        ids = self.config.draft.aux_layer_ids
-        return tuple(ids) if ids is not None else default_aux_layer_ids(self.policy.cfg.num_hidden_layers)
+        """The draft's own ids: the ones exported to vLLM, so training and inference see the same taps."""
+        return tuple(self.draft.cfg.aux_layer_ids)
 
     @property
     def trains_draft(self) -> bool:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch.utils.data import DataLoader, IterableDataset
@@ -23,6 +24,7 @@ from spectrain.config import ConfigError, SpecTrainConfig, to_yaml
 from spectrain.models.hf_io import save_pretrained
 from spectrain.models.llama import LlamaConfig, LlamaForCausalLM
 from spectrain.module import GRPOModule
+from spectrain.parallel.mesh import world_size
 from spectrain.rl.rewards import get_reward_fn
 from spectrain.rollout.base import RolloutEngine
 from spectrain.warmstart import warm_start_policy
@@ -73,6 +75,7 @@ class SpecTrainer:
         self.engine: RolloutEngine | None = None
         self.module: GRPOModule | None = None
         self.trainer: L.Trainer | None = None
+        self.strategy = None  # SpecParallelStrategy when the run spans processes (build_strategy)
 
     # hooks users override ---------------------------------------------------------------
     def build_tokenizer(self):
@@ -120,6 +123,32 @@ class SpecTrainer:
                                  max_model_len=r.max_model_len, kv_cache_gib=r.kv_cache_gib,
                                  seed=self.config.trainer.seed)
 
+    def build_strategy(self):
+        """The multi-process strategy (process group, mesh, plan) when the run spans processes, else None."""
+        p = self.config.parallel
+        if world_size() == 1 and p.pp * p.dp * p.cp == 1:
+            return None
+        from spectrain.parallel.strategy import SpecParallelStrategy
+
+        strategy = SpecParallelStrategy(p)
+        strategy.setup_distributed()  # now: rank 0 alone warms up, exports and rolls out before Lightning starts
+        return strategy
+
+    def prepare_rollout_process_groups(self) -> None:
+        """On every rank, before rank 0 starts its in-process vLLM engine (collective).
+
+        vLLM joins an existing default process group and builds its groups over all of it
+        with `new_group`, which every rank must call; so all ranks build them here and rank
+        0's engine finds them ready. An engine without process groups overrides this as a no-op.
+        """
+        from vllm.config import VllmConfig, set_current_vllm_config
+        from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+        from vllm.platforms import current_platform
+
+        with set_current_vllm_config(VllmConfig()):
+            init_distributed_environment(dist.get_world_size(), dist.get_rank(), backend=current_platform.dist_backend)
+            ensure_model_parallel_initialized(1, 1)
+
     def build_callbacks(self) -> list[Callback]:
         from spectrain.callbacks import AcceptanceLengthLogger, DraftCoTraining, RunHistory, WeightSync
 
@@ -146,23 +175,29 @@ class SpecTrainer:
     # the run ------------------------------------------------------------------------------
     def fit(self) -> FitResult:
         started = time.perf_counter()
-        resume_ckpt = self.prepare_run_dir()
+        self.strategy = self.build_strategy()
+        resume_ckpt = self._on_rank_zero(self.prepare_run_dir)
         L.seed_everything(self.config.trainer.seed, workers=True, verbose=False)
         self.tokenizer = self.build_tokenizer()
         self.source = self.prompts()
         self._reward_fn = get_reward_fn(self.config.task.reward, partial_credit=self.config.task.partial_credit)
         self.check_lengths()
-        policy, _ = warm_start_policy(self.config, self.build_policy(), self.source, self.tokenizer,
-                                      self.warmstart_dir, progress=self.config.trainer.progress_bar)
-        draft = self.build_draft(policy)
-        policy_dir, draft_dir = self.export_models(policy, draft, self.run_dir / "engine_init")
-        self.engine = self.build_rollout_engine(policy_dir, draft_dir)
+        policy, draft = self._rank_zero_first(self._warm_start)
+        if self.strategy is not None:
+            self.prepare_rollout_process_groups()
+        if self.is_rollout_rank:  # the other ranks get each rollout from the plan
+            policy_dir, draft_dir = self.export_models(policy, draft, self.run_dir / "engine_init")
+            self.engine = self.build_rollout_engine(policy_dir, draft_dir)
         try:
             self.module = GRPOModule(self.config, policy, draft, self.tokenizer, self.reward)
             self.module.engine = self.engine
+            if self.strategy is not None:
+                self.strategy.connect(self.module)
             eval_examples = self.eval_examples()
-            warm_reward = self.evaluate(eval_examples) if resume_ckpt is None else self._recorded_warm_reward()
-            self._record({"warmstart_reward": warm_reward})
+            warm_reward = (self.evaluate(eval_examples) if resume_ckpt is None
+                           else self._on_rank_zero(self._recorded_warm_reward))
+            if self.is_rank_zero:
+                self._record({"warmstart_reward": warm_reward})
             self.trainer = self.build_lightning_trainer()
             start_step = _checkpoint_step(resume_ckpt)
             loader = DataLoader(PromptStream(self.source, self.config.rollout.prompts_per_step,
@@ -170,18 +205,60 @@ class SpecTrainer:
                                 batch_size=None, collate_fn=lambda x: x)
             self.trainer.fit(self.module, train_dataloaders=loader, ckpt_path=resume_ckpt)
             final_reward = self.evaluate(eval_examples)
-            self.export_models(self.module.policy, self.module.draft, self.run_dir / "final")
+            if self.is_rank_zero:
+                self.export_models(self.module.policy, self.module.draft, self.run_dir / "final")
             history = self.history()
         finally:
-            self.engine.shutdown()
+            if self.engine is not None:
+                self.engine.shutdown()  # vLLM also destroys rank 0's process group: no collective after this
         result = FitResult(self.run_dir, warm_reward, final_reward, self.trainer.global_step,
                            time.perf_counter() - started, history)
-        self._record({"result": result.summary()})
+        if self.is_rank_zero:
+            self._record({"result": result.summary()})
         return result
+
+    def _warm_start(self):
+        policy, _ = warm_start_policy(self.config, self.build_policy(), self.source, self.tokenizer,
+                                      self.warmstart_dir, progress=self.config.trainer.progress_bar)
+        return policy, self.build_draft(policy)
+
+    @property
+    def is_rank_zero(self) -> bool:
+        return self.strategy is None or self.strategy.is_global_zero
+
+    @property
+    def is_rollout_rank(self) -> bool:
+        return self.strategy is None or self.strategy.plan.is_rollout_rank
+
+    def _on_rank_zero(self, fn):
+        """`fn()` on rank 0 only; every rank gets its result, or raises its exception."""
+        if self.strategy is None:
+            return fn()
+        outcome = None
+        if self.is_rank_zero:
+            try:
+                outcome = (fn(), None)
+            except Exception as exc:  # re-raised on every rank below
+                outcome = (None, exc)
+        value, error = self.strategy.broadcast(outcome)
+        if error is not None:
+            raise error
+        return value
+
+    def _rank_zero_first(self, fn):
+        """`fn()` on rank 0, then on the other ranks: rank 0 fills the caches (warm start) they read."""
+        kept = []
+        self._on_rank_zero(lambda: kept.append(fn()))
+        return kept[0] if kept else fn()
 
     def build_lightning_trainer(self) -> L.Trainer:
         t = self.config.trainer
-        return L.Trainer(accelerator="cpu", devices=1, max_steps=t.max_steps, logger=self.build_logger(),
+        processes: dict = dict(devices=1)
+        if self.strategy is not None:  # one device per process; the plan, not a sampler, splits the work
+            local = self.strategy.processes_per_node
+            processes = dict(strategy=self.strategy, devices=local, num_nodes=self.strategy.world_size // local,
+                             use_distributed_sampler=False)
+        return L.Trainer(accelerator="cpu", **processes, max_steps=t.max_steps, logger=self.build_logger(),
                          callbacks=self.build_callbacks(), default_root_dir=str(self.run_dir),
                          log_every_n_steps=t.log_every_n_steps, enable_progress_bar=t.progress_bar,
                          enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
@@ -256,6 +333,12 @@ class SpecTrainer:
                               f"{longest} tokens, plus rollout.max_new_tokens={r.max_new_tokens} and {lookahead} "
                               f"speculative lookahead = {need}; raise rollout.max_model_len (and "
                               f"policy.max_position_embeddings) or lower rollout.max_new_tokens.")
+        cp, max_pos = self.config.parallel.cp, self.config.policy.max_position_embeddings
+        padded = -(-(longest + r.max_new_tokens) // (2 * cp)) * 2 * cp  # zigzag pads documents to 2*cp chunks
+        if cp > 1 and padded > max_pos:
+            raise ConfigError(f"policy.max_position_embeddings: {max_pos} is too small for parallel.cp={cp}: the "
+                              f"longest document ({longest + r.max_new_tokens} tokens) is padded to a multiple of "
+                              f"2*cp = {padded}; raise policy.max_position_embeddings or lower parallel.cp.")
 
 
 def _instantiate(target: str, args: dict) -> Callback:

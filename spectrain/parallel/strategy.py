@@ -59,13 +59,18 @@ class SpecParallelStrategy(ParallelStrategy):
         self._mesh: DeviceMesh | None = None
         self._plan = None
         self.num_nodes = 1  # set by the accelerator connector
+        # torchrun's, read now: vLLM's CPU platform overwrites LOCAL_WORLD_SIZE with its own TP size
+        self.processes_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
     # processes, mesh, plan -----------------------------------------------------------------
     def _device_type(self) -> str:
         return self.root_device.type if self.parallel_devices else "cpu"
 
     def setup_distributed(self) -> None:
-        """Join the torchrun process group and build the mesh; idempotent, callable before the Trainer."""
+        """Join the torchrun process group, build the mesh and the plan; idempotent, callable before the Trainer.
+
+        Every rank creates the same process groups in the same order here (`new_group` is collective).
+        """
         p = self.parallel
         if not dist.is_initialized():
             check_mesh_shape(p.pp, p.dp, p.cp, world_size())  # before init: its error beats a rendezvous failure
@@ -74,6 +79,7 @@ class SpecParallelStrategy(ParallelStrategy):
             dist.init_process_group(backend, timeout=self._timeout)  # env://: RANK, WORLD_SIZE, MASTER_ADDR/PORT
         if self._mesh is None:
             self._mesh = build_mesh(p.pp, p.dp, p.cp, self._device_type())
+            self._plan = self.build_plan()
 
     @property
     def mesh(self) -> DeviceMesh:
@@ -84,7 +90,7 @@ class SpecParallelStrategy(ParallelStrategy):
     @property
     def plan(self):
         if self._plan is None:
-            self._plan = self.build_plan()
+            raise RuntimeError("the plan exists after setup_distributed() (the Trainer calls it in setup_environment)")
         return self._plan
 
     def build_plan(self):
