@@ -49,7 +49,7 @@ class TaskConfig:
 @dataclass
 class SFTConfig:
     enabled: bool = True
-    steps: int = 600
+    steps: int = 300
     batch_size: int = 64
     lr: float = 3e-3
     eval_prompts: int = 128

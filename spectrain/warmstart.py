@@ -40,12 +40,12 @@ def sft_loss(policy: LlamaForCausalLM, batch: RolloutBatch) -> torch.Tensor:
 
 def train_sft(policy: LlamaForCausalLM, task, tokenizer, steps: int, batch_size: int, lr: float,
               seed: int, progress: bool = True) -> list[float]:
-    """AdamW with linear warm-up and cosine decay; returns the loss per step."""
+    """AdamW with linear warm-up and cosine decay to 10% of `lr`; returns the loss per step."""
     rng = random.Random(seed)
     opt = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     warmup = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / max(1, steps))))
+        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.55 + 0.45 * math.cos(math.pi * s / max(1, steps))))
     policy.train()
     losses = []
     bar = tqdm(range(steps), desc="warm-start SFT", disable=not progress, dynamic_ncols=True)

@@ -9,7 +9,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from spectrain.models.eagle3 import (
+# vLLM reads these at import: the engine in this process, a small KV cache.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+from spectrain.models.eagle3 import (  # noqa: E402
     Eagle3Config,
     Eagle3Draft,
     build_vocab_mapping,
@@ -19,7 +23,7 @@ from spectrain.models.eagle3 import (
     shift_within_docs,
     ttt_loss,
 )
-from spectrain.models.llama import (
+from spectrain.models.llama import (  # noqa: E402
     LlamaConfig,
     LlamaForCausalLM,
     RMSNorm,
@@ -282,14 +286,13 @@ def _taps(policy, seqs, aux_ids):
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from spectrain.data.tokenizer import save_tokenizer
     from spectrain.models.hf_io import save_pretrained
 
     root = tmp_path_factory.mktemp("eagle3")
     torch.manual_seed(0)
-    policy = LlamaForCausalLM(LlamaConfig(**POLICY)).eval()
+    # a non-default rope_theta, so the replay test also checks it reaches vLLM's drafter
+    policy = LlamaForCausalLM(LlamaConfig(**POLICY, rope_theta=5000.0)).eval()
     with torch.no_grad():
         policy.lm_head.weight.mul_(20.0)  # confident like a trained LM (greedy choices unchanged)
     save_pretrained(policy, root / "policy")
@@ -344,20 +347,30 @@ def trained_draft(world, reference):
     return draft
 
 
-@pytest.mark.slow
-def test_exported_draft_speculates_losslessly(world, reference, spec_engine):
+@pytest.fixture(scope="module")
+def initial_run(world, spec_engine):
+    """Outputs and counter deltas of greedy generation with the freshly initialised draft."""
     spec_engine.sync_draft(draft_sync_weights(world.draft), version=0)
-    outputs, delta = _measure(spec_engine, world.prompts)
+    return _measure(spec_engine, world.prompts)
+
+
+@pytest.fixture(scope="module")
+def trained_run(world, spec_engine, trained_draft):
+    """The same after syncing the co-trained draft into the live engine."""
+    spec_engine.sync_draft(draft_sync_weights(trained_draft), version=1)
+    return _measure(spec_engine, world.prompts)
+
+
+@pytest.mark.slow
+def test_exported_draft_speculates_losslessly(reference, initial_run):
+    outputs, delta = initial_run
     assert delta.num_drafts > 0 and delta.num_draft_tokens == K * delta.num_drafts
     assert outputs == [o[:MAX_TOKENS] for o in reference]
 
 
 @pytest.mark.slow
-def test_syncing_a_cotrained_draft_raises_acceptance(world, reference, spec_engine, trained_draft):
-    spec_engine.sync_draft(draft_sync_weights(world.draft), version=0)
-    _, before = _measure(spec_engine, world.prompts)
-    spec_engine.sync_draft(draft_sync_weights(trained_draft), version=1)
-    outputs, after = _measure(spec_engine, world.prompts)
+def test_syncing_a_cotrained_draft_raises_acceptance(reference, initial_run, trained_run):
+    (_, before), (outputs, after) = initial_run, trained_run
     assert outputs == [o[:MAX_TOKENS] for o in reference], "the draft sync touched the policy"
     assert after.mean_acceptance_length > before.mean_acceptance_length + 0.5, (before, after)
 
@@ -387,11 +400,10 @@ def _replay_counters(policy, draft, prompts, continuations):
 
 
 @pytest.mark.slow
-def test_vllm_acceptance_replays_from_ttt_forward(world, reference, spec_engine, trained_draft):
+def test_vllm_acceptance_replays_from_ttt_forward(world, reference, trained_draft, trained_run):
     """vLLM's counters equal a replay from our policy taps + TTT unroll: same aux layers and
     order, shared embeddings, midlayer, norms, positions and branch attention as vLLM."""
-    spec_engine.sync_draft(draft_sync_weights(trained_draft), version=1)
-    _, delta = _measure(spec_engine, world.prompts)
+    _, delta = trained_run
     drafts, accepted = _replay_counters(world.policy, trained_draft, world.prompts, reference)
     assert 0 < accepted < K * drafts, "replay is only informative with partial acceptance"
     assert (delta.num_drafts, delta.num_accepted_tokens) == (drafts, accepted)

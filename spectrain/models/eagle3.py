@@ -303,6 +303,7 @@ def ttt_loss(
     """
     shift_fn = shift_fn or shift_within_docs
     t, vocab = teacher_logits.shape
+    assert len(draft_logits) >= 1, "no TTT pass to score"
     assert response_mask.shape == (t,), (response_mask.shape, t)
     assert t2d.shape == (vocab,) and t2d.dtype == torch.bool, (t2d.shape, t2d.dtype)
     used = torch.nonzero(t2d).flatten()  # draft id -> target id
