@@ -180,9 +180,10 @@ class Eagle3Draft(nn.Module):
 
         Args:
             embeds: the policy's embedding output `[T, H]` (its `CausalLMOutput.embeds`),
-                i.e. `e(x_t)`; detached here, the draft never trains the policy.
+                i.e. `e(x_t)`; detached (the draft never trains the policy) and cast to the
+                draft's dtype.
             aux_hidden: the policy's aux states `[T, H_target]`, one per `aux_layer_ids`
-                entry in that (sorted) order; detached here.
+                entry in that (sorted) order; detached and cast likewise.
             position_ids, cu_seqlens: the packed batch (RoPE positions of the tokens).
             num_steps: K, the passes unrolled.
             ops: attention ops of the causal trunk (local, or ring under CP).
@@ -199,7 +200,7 @@ class Eagle3Draft(nn.Module):
         assert embeds.shape == (t, cfg.hidden_size), (embeds.shape, cfg.hidden_size)
         assert position_ids.shape == (t,), (position_ids.shape, t)
         assert num_steps >= 1, num_steps
-        embeds = embeds.detach()
+        embeds = embeds.detach().to(self.fc.weight.dtype)
         hidden = self.combine_aux(aux_hidden)
         keys, values, logits = [], [], []
         for d in range(1, num_steps + 1):
@@ -220,7 +221,7 @@ class Eagle3Draft(nn.Module):
         assert len(aux_hidden) == len(self.cfg.aux_layer_ids), (len(aux_hidden), self.cfg.aux_layer_ids)
         for a in aux_hidden:
             assert a.shape == (aux_hidden[0].shape[0], self.cfg.target_hidden_size), a.shape
-        return self.fc(torch.cat([a.detach() for a in aux_hidden], dim=-1))
+        return self.fc(torch.cat([a.detach() for a in aux_hidden], dim=-1).to(self.fc.weight.dtype))
 
 
 def shift_within_docs(x: torch.Tensor, cu_seqlens: torch.Tensor, shift: int, fill: float = 0) -> torch.Tensor:
