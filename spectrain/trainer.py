@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
+from omegaconf import OmegaConf
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -307,10 +308,19 @@ class SpecTrainer:
         return None
 
     def _check_same_config(self) -> None:
+        """A resume may train longer or change how it reports, not what it trains."""
         saved = self.run_dir / "config.yaml"
-        if saved.is_file() and saved.read_text() != to_yaml(self.config):
+        if not saved.is_file():
+            return
+        free = {"max_steps", "progress_bar", "resume", "log_every_n_steps", "checkpoint_every_n_steps"}
+        before, now = OmegaConf.load(saved), OmegaConf.structured(self.config)
+        for key in free:
+            before.trainer.pop(key, None)
+            now.trainer.pop(key, None)
+        if before != now:
             raise RunDirError(f"{self.run_dir} was started with a different config ({saved}); resume it with the "
-                              f"same recipe and overrides, or choose another trainer.run_dir.")
+                              f"same recipe and overrides (only trainer.max_steps and reporting options may change), "
+                              f"or choose another trainer.run_dir.")
 
     def _record(self, entries: dict) -> None:
         marker = self.run_dir / RUN_MARKER

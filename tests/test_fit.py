@@ -1,0 +1,70 @@
+"""End to end: `spectrain fit` on a shrunken default recipe with real vLLM, then resume."""
+import csv
+import json
+
+import pytest
+
+from spectrain.cli import main as cli_main
+from spectrain.config import load_config
+from spectrain.trainer import RunDirError, SpecTrainer
+
+TINY = ["sft.steps=20", "sft.batch_size=16", "draft.warmup_steps=10", "rollout.prompts_per_step=4",
+        "rollout.group_size=4", "rollout.eval_prompts=8", "trainer.progress_bar=false",
+        "trainer.checkpoint_every_n_steps=1", "draft.check_alive=false"]
+
+
+def metrics(run_dir):
+    with open(run_dir / "logs" / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.slow
+def test_fit_runs_end_to_end_and_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    assert cli_main(["fit", "tiny_cpu", f"trainer.run_dir={run_dir}", "trainer.max_steps=2", *TINY]) == 0
+    for path in ["config.yaml", "training.png", "acceptance_length.png", "final/policy/config.json",
+                 "final/policy/model.safetensors", "final/policy/tokenizer.json", "final/draft/config.json",
+                 "checkpoints/last.ckpt", "warmstart/meta.json", "warmstart/draft/meta.json"]:
+        assert (run_dir / path).is_file(), path
+    rows = metrics(run_dir)
+    steps = {int(r["step"]) for r in rows if r.get("policy/loss")}
+    assert steps == {0, 1}
+    row = next(r for r in rows if r.get("spec/mean_acceptance_length"))
+    assert float(row["spec/mean_acceptance_length"]) >= 1.0
+    assert float(next(r for r in rows if r.get("policy/engine_logprob_diff"))["policy/engine_logprob_diff"]) < 1e-3
+    assert next(r for r in rows if r.get("draft/loss"))["draft/loss"]
+    summary = json.loads((run_dir / "spectrain_run.json").read_text())["result"]
+    assert summary["steps"] == 2
+
+    # Same command, more steps: resumes from the checkpoint instead of starting over.
+    config = load_config("tiny_cpu", [f"trainer.run_dir={run_dir}", "trainer.max_steps=3", *TINY])
+    result = SpecTrainer(config).fit()
+    assert result.steps == 3
+    assert {int(r["step"]) for r in metrics(run_dir) if r.get("policy/loss")} == {0, 1, 2}
+
+    # A resume that changes what is trained is refused, and the run is left as it was.
+    changed = load_config("tiny_cpu", [f"trainer.run_dir={run_dir}", "grpo.lr=1.0", *TINY])
+    with pytest.raises(RunDirError, match="different config"):
+        SpecTrainer(changed).fit()
+
+
+def test_existing_foreign_directory_is_refused(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    config = load_config("tiny_cpu", [f"trainer.run_dir={tmp_path}"])
+    with pytest.raises(RunDirError, match="not a spectrain run directory"):
+        SpecTrainer(config).fit()
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_existing_run_refused_with_resume_never(tmp_path):
+    (tmp_path / "spectrain_run.json").write_text("{}")
+    config = load_config("tiny_cpu", [f"trainer.run_dir={tmp_path}", "trainer.resume=never"])
+    with pytest.raises(RunDirError, match="resume=never"):
+        SpecTrainer(config).fit()
+
+
+def test_prompt_too_long_for_engine_fails_before_work(tmp_path):
+    config = load_config("tiny_cpu", [f"trainer.run_dir={tmp_path / 'r'}", "rollout.max_model_len=20"])
+    with pytest.raises(Exception, match="rollout.max_model_len"):
+        SpecTrainer(config).fit()
+    assert not (tmp_path / "r" / "warmstart").exists()
