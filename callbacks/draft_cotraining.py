@@ -35,10 +35,14 @@ class DraftCoTraining(Callback):
         self.steps_skipped = 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if (trainer.global_step - 1) % self.every_n_steps or not pl_module.plan.hosts_draft:
+        if (trainer.global_step - 1) % self.every_n_steps:
             return
         started = time.perf_counter()
-        loss, metrics = draft_loss(pl_module, self.ttt_steps, self.pass_decay)
+        hosts = pl_module.plan.hosts_draft
+        # Under PP only the last stage holds the draft: the other ranks add zeros to the sums below, so
+        # every rank runs the same collectives and rank 0 (the logger) logs the step's numbers.
+        loss, metrics = (draft_loss(pl_module, self.ttt_steps, self.pass_decay) if hosts
+                         else _zero_share(pl_module, self.ttt_steps))
         # Under dp/cp each rank holds its share of the step: sum them (identity on one process), so the
         # skip decision is the same on every rank and the logs are the step's.
         total = trainer.strategy.reduce(loss.detach().clone(), reduce_op="sum")
@@ -48,7 +52,7 @@ class DraftCoTraining(Callback):
         optimizer = pl_module.optimizers()[1].optimizer
         optimizer.zero_grad(set_to_none=True)
         skipped = not math.isfinite(total.item())
-        if not skipped:
+        if hosts and not skipped:
             pl_module.manual_backward(loss)
             pl_module.plan.reduce_gradients(pl_module.draft)
             grad_norm = torch.nn.utils.clip_grad_norm_(pl_module.draft.parameters(), self.grad_clip)
@@ -57,9 +61,11 @@ class DraftCoTraining(Callback):
             optimizer.zero_grad(set_to_none=True)
             self.steps_skipped += 1
         else:
-            optimizer.step()
+            if hosts:
+                optimizer.step()
             self.steps_trained += 1
-        log = {"draft/loss": total, "draft/seconds": time.perf_counter() - started,
+        seconds = trainer.strategy.reduce(torch.tensor(time.perf_counter() - started), reduce_op="max")  # the host's
+        log = {"draft/loss": total, "draft/seconds": seconds,
                "draft/skipped_steps": float(self.steps_skipped)}
         for d, (pass_loss, top1) in enumerate(zip(metrics.loss.tolist(), metrics.accuracy.tolist()), start=1):
             log[f"draft/pass_{d}_loss"] = pass_loss
@@ -93,3 +99,10 @@ def draft_loss(pl_module, ttt_steps: int, pass_decay: float):
         metrics = m if metrics is None else TTTMetrics(metrics.loss_sum + m.loss_sum, metrics.correct + m.correct,
                                                          metrics.count + m.count)
     return total, metrics
+
+
+def _zero_share(pl_module, ttt_steps: int):
+    """`draft_loss`'s result on a rank without the draft: zeros of the same dtypes (one dtype per collective)."""
+    dtype = torch.promote_types(next(pl_module.policy.parameters()).dtype, torch.float32)  # the teacher's
+    zeros = torch.zeros(ttt_steps)
+    return torch.zeros((), dtype=dtype), TTTMetrics(zeros.to(dtype), zeros.clone(), zeros.clone())

@@ -91,6 +91,9 @@ class DraftConfig:
     check_alive: bool = True
 
 
+PP_STAGES_PER_RANK = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2}  # pipeline schedules and their stages per rank
+
+
 @dataclass
 class ParallelConfig:
     dp: int = 1
@@ -268,6 +271,29 @@ def _one_of(value: str, key: str, allowed: tuple[str, ...]) -> None:
     _require(value in allowed, key, f"'{value}' is not one of {list(allowed)}")
 
 
+def _check_pipeline(c: SpecTrainConfig) -> None:
+    """What `PipelinePlan` and torch's schedules would reject mid-run, rejected at load time."""
+    p, par = c.policy, c.parallel
+    stages = par.pp * PP_STAGES_PER_RANK[par.pp_schedule]
+    per_rank = "" if stages == par.pp else f" ({par.pp_schedule} runs {stages // par.pp} per rank)"
+    _require(stages <= p.num_hidden_layers, "parallel.pp",
+             f"{stages} pipeline stages{per_rank} but the policy has only {p.num_hidden_layers} layers; lower "
+             f"parallel.pp, raise policy.num_hidden_layers" + (" or use pp_schedule=1F1B" if per_rank else ""))
+    _require(par.pp_schedule != "1F1B" or par.microbatches >= stages, "parallel.microbatches",
+             f"1F1B needs at least one microbatch per stage ({stages}), got {par.microbatches}; raise "
+             f"parallel.microbatches to >= {stages} or use parallel.pp_schedule=GPipe")
+    rounds = max(1, par.microbatches // par.pp)
+    _require(par.pp_schedule != "Interleaved1F1B" or par.microbatches % rounds == 0, "parallel.microbatches",
+             f"Interleaved1F1B runs microbatches in rounds of parallel.pp={par.pp}: {par.microbatches} is not a "
+             f"multiple of its {rounds} rounds; use a multiple of {par.pp}")
+    _require(not p.tie_word_embeddings, "policy.tie_word_embeddings",
+             "tied embeddings would put lm_head.weight on the first and the last stage; set it false or parallel.pp=1")
+    docs = c.rollout.prompts_per_step * c.rollout.group_size
+    _require(docs >= par.dp * par.microbatches, "parallel.microbatches",
+             f"each of parallel.dp={par.dp} ranks cuts its documents into {par.microbatches} microbatches, but a step "
+             f"has only {docs} (rollout.prompts_per_step x group_size); lower parallel.microbatches or send more")
+
+
 def validate(c: SpecTrainConfig) -> None:
     """Reject impossible values before any work starts."""
     p, r, d = c.policy, c.rollout, c.draft
@@ -308,9 +334,9 @@ def validate(c: SpecTrainConfig) -> None:
     par = c.parallel
     for key in ("dp", "cp", "pp", "microbatches"):
         _require(getattr(par, key) >= 1, f"parallel.{key}", "must be >= 1")
-    _require(par.pp <= p.num_hidden_layers, "parallel.pp",
-             f"{par.pp} stages but the policy has only {p.num_hidden_layers} layers; lower parallel.pp")
-    _one_of(par.pp_schedule, "parallel.pp_schedule", ("GPipe", "1F1B", "Interleaved1F1B"))
+    _one_of(par.pp_schedule, "parallel.pp_schedule", tuple(PP_STAGES_PER_RANK))
+    if par.pp > 1:
+        _check_pipeline(c)
     _one_of(c.speculation.mode, "speculation.mode", ("fixed", "concurrency", "bandit"))
     _require(0 <= c.speculation.bandit.epsilon <= 1, "speculation.bandit.epsilon", "must be in [0, 1]")
     _require(c.speculation.mode == "fixed" or d.mode != "none", "speculation.mode",

@@ -44,7 +44,7 @@ from spectrain.rollout.adaptive import (
     LongTailTrainer,
     SpecController,
     machine_label,
-    verify_forward,
+    measure_verify_budget,
 )
 from spectrain.rollout.base import Completion, SamplingConfig
 from spectrain.rollout.speculation import (
@@ -53,8 +53,6 @@ from spectrain.rollout.speculation import (
     LongTailPolicy,
     SpecArm,
     buckets_by_verify_budget,
-    calibrate_verify_budget,
-    measure_forward_time,
 )
 from spectrain.rollout.step_loop import StepLoopResult, generate_stepwise
 from spectrain.rollout.vllm_engine import VLLMRolloutEngine
@@ -73,12 +71,14 @@ class BenchOptions:
     max_tokens: int = 96
     k_max: int = 5
     repeats: int = 3
-    draft_steps: int = 200
-    draft_batch: int = 32
+    draft_steps: int = 150
+    draft_batch: int = 8
+    draft_len: int = 40  # tokens per training sequence (greedy outputs of the policy)
+    ttt_steps: int = 3  # TTT passes when training the draft (it still proposes up to k_max)
     bandit_arms: str = "1,2,3,4,5"
     bandit_edges: str = "4,16,64"
     verify_budget: int = 0  # 0: calibrate here with the `spectrain calibrate` procedure
-    e2e_prompts: int = 12
+    e2e_prompts: int = 8
     e2e_group: int = 4
     e2e_steps: int = 4  # per run; the first has no taps to spot-train on and is not timed
     e2e_temperature: float = 0.7
@@ -140,7 +140,7 @@ def train_draft(draft: Eagle3Draft, policy: LlamaForCausalLM, data: list[Complet
             min(opts.draft_batch, len(data))))
         with torch.no_grad():
             out = policy(batch.input_ids, batch.position_ids, batch.cu_seqlens, capture_layers=draft.cfg.aux_layer_ids)
-        loss, metrics = draft_loss_on(draft, policy, batch, out, opts.k_max)
+        loss, metrics = draft_loss_on(draft, policy, batch, out, opts.ttt_steps)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
@@ -173,14 +173,6 @@ def timed_rollout(engine, prompts, sampling, controller=None, idle_hook=None) ->
 
 def summarize(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
-
-
-def calibrated_budget(policy: LlamaForCausalLM, opts: BenchOptions) -> dict:
-    """`spectrain calibrate`'s procedure on the bench's policy: C from the target forward's knee."""
-    counts = [2 ** i for i in range(12)]
-    with torch.inference_mode():
-        times = measure_forward_time(lambda n: verify_forward(policy, n, opts.k_max + 1), counts, repeats=5)
-    return calibrate_verify_budget(times.__getitem__, counts).to_dict()
 
 
 def throughput_configs(opts: BenchOptions, budget: int) -> dict[str, Callable[[], SpecController | None]]:
@@ -250,7 +242,7 @@ def grpo_like_step(state: E2EState, engine, prompts, sampling, controller, spot:
     torch.nn.utils.clip_grad_norm_(state.policy.parameters(), 1.0)
     state.policy_opt.step()
     state.taps = (batch, out)  # the draft and its loss detach what they read
-    draft_step(state, opts.k_max)
+    draft_step(state, opts.ttt_steps)
     t2 = time.perf_counter()
     engine.sync_policy([(n, p.detach()) for n, p in state.policy.state_dict().items()], 0)
     engine.sync_draft(draft_sync_weights(state.draft), 0)
@@ -280,7 +272,7 @@ def run_e2e(opts, spec, policy_dir, draft_dir, budget) -> dict:
                                          max_steps=opts.long_tail_max_steps)
             steps = []
             for i in range(opts.e2e_steps):
-                spot = LongTailTrainer(spot_policy, lambda: draft_step(state, opts.k_max)) if state.taps else None
+                spot = LongTailTrainer(spot_policy, lambda: draft_step(state, opts.ttt_steps)) if state.taps else None
                 steps.append(grpo_like_step(state, spec, prompts, sampling, ConcurrencyController(rule), spot, opts))
             results[name].append(steps[1:])
             log(f"e2e repeat {rep} {name}: step s {[round(s['step_s'], 2) for s in steps[1:]]}, "
@@ -369,43 +361,58 @@ rollout, on the previous step's taps. Mean over steps 2..{o['e2e_steps']} of eac
 """
 
 
+def ensure_draft(opts: BenchOptions, plain, policy, draft_dir: Path | None, work: Path):
+    """The given draft, or one trained with TTT on the policy's greedy outputs (from the plain engine)."""
+    if draft_dir is not None:
+        return draft_dir, None
+    data = plain.generate(random_prompts(128, opts.seed + 1), SamplingConfig(max_tokens=opts.draft_len, temperature=0.0))
+    draft = Eagle3Draft(Eagle3Config.from_policy(policy.cfg))
+    top1 = [round(a, 2) for a in train_draft(draft, policy, data, opts)]
+    return export_draft(draft, work / "draft", policy.cfg), top1
+
+
+def verify_budget(opts: BenchOptions, policy) -> tuple[int, str, dict | None]:
+    if opts.verify_budget:
+        return opts.verify_budget, "given", None
+    with torch.inference_mode():
+        result = measure_verify_budget(policy, opts.k_max + 1)
+    return result.verify_budget, "calibrated here as `spectrain calibrate` does (target forward knee)", result.to_dict()
+
+
+def headline(throughput: dict) -> dict:
+    fixed = {n: v["median"] for n, v in throughput.items() if n.startswith("fixed")}
+    best = max(fixed, key=fixed.get)
+    out = {"best_fixed": best,
+           "concurrency_vs_best_fixed": throughput["concurrency"]["median"] / fixed[best],
+           "bandit_vs_best_fixed": throughput["bandit"]["median"] / fixed[best],
+           "best_fixed_vs_no_draft": fixed[best] / throughput["no draft"]["median"]}
+    out["target_met"] = max(out["concurrency_vs_best_fixed"], out["bandit_vs_best_fixed"]) >= 1.1
+    return out
+
+
 def main(overrides: list[str]) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     opts = parse_options(overrides)
     started, load_start = time.perf_counter(), os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="spectrain_bench_adaptive_"))
     policy_dir, draft_dir, policy = prepare_models(opts, work)
-    plain = VLLMRolloutEngine(policy_dir, None, max_model_len=256, seed=opts.seed)
-    top1 = None
-    if draft_dir is None:
-        train_prompts = random_prompts(256, opts.seed + 1)
-        data = plain.generate(train_prompts, SamplingConfig(max_tokens=opts.max_tokens, temperature=0.0))
-        draft = Eagle3Draft(Eagle3Config.from_policy(policy.cfg))
-        top1 = [round(a, 2) for a in train_draft(draft, policy, data, opts)]
-        draft_dir = export_draft(draft, work / "draft", policy.cfg)
-    spec = VLLMRolloutEngine(policy_dir, draft_dir, num_speculative_tokens=opts.k_max,
-                             spec_schedule=[(1, 1, opts.k_max)], max_model_len=256, seed=opts.seed)
-    calibration = None
-    if opts.verify_budget:
-        budget, source = opts.verify_budget, "given"
-    else:
-        calibration = calibrated_budget(policy, opts)
-        budget, source = calibration["verify_budget"], "calibrated here: target forward knee, `spectrain calibrate`"
-    log(f"verify budget C = {budget} ({source})")
-    prompts = random_prompts(opts.prompts, opts.seed + 2)
-    lengths = long_tailed_lengths(opts, opts.prompts, opts.seed + 2)
-    sampling = [SamplingConfig(max_tokens=m, temperature=0.0) for m in lengths]
-    throughput, traces = run_throughput(opts, plain, spec, throughput_configs(opts, budget), prompts, sampling)
-    plain.shutdown()
-    e2e = run_e2e(opts, spec, policy_dir, draft_dir, budget)
-    spec.shutdown()
-    fixed = {n: v["median"] for n, v in throughput.items() if n.startswith("fixed")}
-    best = max(fixed, key=fixed.get)
-    headline = {"best_fixed": best,
-                "concurrency_vs_best_fixed": throughput["concurrency"]["median"] / fixed[best],
-                "bandit_vs_best_fixed": throughput["bandit"]["median"] / fixed[best],
-                "best_fixed_vs_no_draft": fixed[best] / throughput["no draft"]["median"]}
-    headline["target_met"] = max(headline["concurrency_vs_best_fixed"], headline["bandit_vs_best_fixed"]) >= 1.1
+    # Two in-process engines share vLLM's global parallel state: shutting one down breaks the
+    # other, so both live until the end.
+    plain, spec = VLLMRolloutEngine(policy_dir, None, max_model_len=256, seed=opts.seed), None
+    try:
+        draft_dir, top1 = ensure_draft(opts, plain, policy, draft_dir, work)
+        spec = VLLMRolloutEngine(policy_dir, draft_dir, num_speculative_tokens=opts.k_max,
+                                 spec_schedule=[(1, 1, opts.k_max)], max_model_len=256, seed=opts.seed)
+        budget, source, calibration = verify_budget(opts, policy)
+        log(f"verify budget C = {budget} ({source})")
+        prompts = random_prompts(opts.prompts, opts.seed + 2)
+        lengths = long_tailed_lengths(opts, opts.prompts, opts.seed + 2)
+        sampling = [SamplingConfig(max_tokens=m, temperature=0.0) for m in lengths]
+        throughput, traces = run_throughput(opts, plain, spec, throughput_configs(opts, budget), prompts, sampling)
+        e2e = run_e2e(opts, spec, policy_dir, draft_dir, budget)
+    finally:
+        for engine in filter(None, (spec, plain)):
+            engine.shutdown()
     data = {"command": "spectrain bench adaptive " + " ".join(overrides), "machine": machine_label(),
             "load_average_start": [round(x, 1) for x in load_start],
             "load_average_end": [round(x, 1) for x in os.getloadavg()],
@@ -413,8 +420,8 @@ def main(overrides: list[str]) -> int:
             "policy": opts.run_dir or f"random Llama hidden {opts.hidden}, {opts.layers} layers, vocab 128",
             "draft_top1": top1, "verify_budget": budget, "verify_budget_source": source, "calibration": calibration,
             "workload": {"total_tokens": sum(lengths), "longest": max(lengths), "max_tokens": lengths},
-            "throughput_tokens_per_s": throughput, "end_to_end": e2e, "headline": headline,
+            "throughput_tokens_per_s": throughput, "end_to_end": e2e, "headline": headline(throughput),
             "traces": {n: [dataclasses.asdict(r) for r in t] for n, t in traces.items()}}
     write_reports(Path(opts.out), data, traces)
-    log(f"headline: {json.dumps(headline)}; wrote {opts.out}/adaptive.{{json,md,png}}")
+    log(f"headline: {json.dumps(data['headline'])}; wrote {opts.out}/adaptive.{{json,md,png}}")
     return 0

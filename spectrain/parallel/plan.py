@@ -60,6 +60,9 @@ class TrainPlan(Protocol):
 
     def policy_weights(self, policy: LlamaForCausalLM) -> list[tuple[str, torch.Tensor]] | None: ...
 
+    # optional: plans whose draft is not on the rollout rank (PP) gather it there; None elsewhere
+    def draft_weights(self, draft: nn.Module) -> list[tuple[str, torch.Tensor]] | None: ...
+
 
 def ttt_valid_tokens(batch: RolloutBatch) -> float:
     """Pass-1 anchors with a teacher: position i+1 in the same document predicts a response token."""
@@ -99,3 +102,8 @@ class LocalPlan:
     def policy_weights(self, policy):
         tied = policy.cfg.tie_word_embeddings
         return [(n, p.detach()) for n, p in policy.state_dict().items() if not (tied and n == "lm_head.weight")]
+
+    def draft_weights(self, draft):
+        from spectrain.models.eagle3 import draft_sync_weights
+
+        return draft_sync_weights(draft)

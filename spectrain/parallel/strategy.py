@@ -94,11 +94,11 @@ class SpecParallelStrategy(ParallelStrategy):
         return self._plan
 
     def build_plan(self):
-        """The `TrainPlan` for this mesh: `ContextParallelPlan` for pp=1; the pipeline plan plugs in here."""
+        """The `TrainPlan` for this mesh: `PipelinePlan` for pp > 1, else `ContextParallelPlan`."""
         if self.parallel.pp > 1:
-            raise NotImplementedError(
-                f"parallel.pp={self.parallel.pp}: the pipeline plan is not wired into SpecParallelStrategy yet "
-                f"(override build_plan to return it); train with parallel.pp=1")
+            from spectrain.parallel.pipeline_plan import PipelinePlan
+
+            return PipelinePlan(self.mesh, self.parallel.pp_schedule, self.parallel.microbatches)
         from spectrain.parallel.context_parallel import ContextParallelPlan
 
         return ContextParallelPlan(self.mesh)

