@@ -12,7 +12,6 @@ import torch
 from dist_utils import run_distributed
 from torch import nn
 
-from spectrain.callbacks.draft_cotraining import draft_loss
 from spectrain.config import ConfigError, load_config
 from spectrain.models.eagle3 import Eagle3Config, Eagle3Draft, build_vocab_mapping
 from spectrain.models.llama import LlamaConfig, LlamaForCausalLM
@@ -86,6 +85,8 @@ def _step(plan, models, batch):
     out["grad_norm"] = plan.clip_grad_norm(models.policy, MAX_NORM)
     out["clipped_grads"] = _grads(models.policy)
     if plan.hosts_draft:
+        from spectrain.callbacks.draft_cotraining import draft_loss  # imports lightning: only where the draft is
+
         models.draft_inputs = result.draft_inputs
         loss, metrics = draft_loss(models, TTT_STEPS, PASS_DECAY)
         loss.backward()
@@ -157,23 +158,22 @@ def _check(case, outs, want):
     for o in hosts:
         _close(o["draft_grads"], want["draft_grads"], f"{what} draft grads")
     if case[0][1:] == (1, 1):  # one copy of the last stage: its microbatches are the whole batch, in order
-        last = hosts[0]
-        _close(last["logprobs"], want["logprobs"], f"{what} logprobs")
-        assert torch.equal(last["batch"].input_ids, want["batch"].input_ids)
-        assert outs[0]["logprobs"].numel() == 0 and outs[0]["batch"].num_docs == 0
+        _close(hosts[0]["logprobs"], want["logprobs"], f"{what} logprobs")
+        assert torch.equal(hosts[0]["batch"].input_ids, want["batch"].input_ids)
+    assert all(o["logprobs"].numel() == o["batch"].num_docs == 0 for o in outs if not o["hosts_draft"])
 
 
-PP2 = [((2, 1, 1), "GPipe", 2), ((2, 1, 1), "1F1B", 4), ((2, 1, 1), "Interleaved1F1B", 4)]
-PP2_BY_2 = [((2, 1, 2), "1F1B", 2), ((2, 2, 1), "GPipe", 2)]
+# One 4-process run (spawning is most of the cost): pure PP over 4 stages, PP=2 with DP=2, PP=2 with CP=2.
+CASES = [((4, 1, 1), "GPipe", 2), ((4, 1, 1), "1F1B", 4), ((2, 2, 1), "GPipe", 2),
+         ((2, 2, 1), "Interleaved1F1B", 4), ((2, 1, 2), "1F1B", 2)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world, cases", [(2, PP2), (4, PP2_BY_2)], ids=["pp2", "pp2xcp2-pp2xdp2"])
-def test_pipeline_plan_matches_local_plan(world, cases):
+def test_pipeline_plan_matches_local_plan():
     want = _reference()
     assert want["grad_norm"] > 10 * MAX_NORM and want["draft_metrics"][2, 0] > 0
-    per_rank = run_distributed(_pp_worker, world, cases, timeout=240)
-    for i, case in enumerate(cases):
+    per_rank = run_distributed(_pp_worker, 4, CASES, timeout=300)
+    for i, case in enumerate(CASES):
         _check(case, [outs[i] for outs in per_rank], want)
 
 
