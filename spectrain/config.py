@@ -69,7 +69,7 @@ class RolloutConfig:
 
 @dataclass
 class GRPOConfig:
-    lr: float = 5e-4
+    lr: float = 3e-5  # measured: 5e-4 collapses the tiny policy within 5 steps, 3e-5 improves it
     clip_eps: float = 0.2
     kl_beta: float = 0.0
     adv_eps: float = 1e-4

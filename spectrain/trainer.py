@@ -53,16 +53,24 @@ class PromptStream(IterableDataset):
 @dataclass
 class FitResult:
     run_dir: Path
-    warmstart_reward: float
-    final_reward: float
+    warmstart_eval: dict[str, float]  # held-out rewards of the warm-started policy
+    final_eval: dict[str, float]  # the same after GRPO
     steps: int
     seconds: float
     history: list[dict]
 
+    @property
+    def warmstart_reward(self) -> float:
+        return self.warmstart_eval["sampled_reward"]
+
+    @property
+    def final_reward(self) -> float:
+        return self.final_eval["sampled_reward"]
+
     def summary(self) -> dict:
-        return {"run_dir": str(self.run_dir), "warmstart_reward": self.warmstart_reward,
-                "final_reward": self.final_reward, "reward_gain": self.final_reward - self.warmstart_reward,
-                "steps": self.steps, "seconds": round(self.seconds, 1)}
+        gains = {f"{k}_gain": round(self.final_eval[k] - self.warmstart_eval[k], 4) for k in self.final_eval}
+        return {"run_dir": str(self.run_dir), "steps": self.steps, "seconds": round(self.seconds, 1),
+                "warmstart": self.warmstart_eval, "final": self.final_eval, **gains}
 
 
 class SpecTrainer:
@@ -205,14 +213,14 @@ class SpecTrainer:
                                              self.config.trainer.seed, start_step),
                                 batch_size=None, collate_fn=lambda x: x)
             self.trainer.fit(self.module, train_dataloaders=loader, ckpt_path=resume_ckpt)
-            final_reward = self.evaluate(eval_examples)
+            final_eval = self.evaluate(eval_examples)
             if self.is_rank_zero:
                 self.export_models(self.module.policy, self.module.draft, self.run_dir / "final")
             history = self.history()
         finally:
             if self.engine is not None:
                 self.engine.shutdown()  # vLLM also destroys rank 0's process group: no collective after this
-        result = FitResult(self.run_dir, warm_reward, final_reward, self.trainer.global_step,
+        result = FitResult(self.run_dir, warm_eval, final_eval, self.trainer.global_step,
                            time.perf_counter() - started, history)
         if self.is_rank_zero:
             self._record({"result": result.summary()})
@@ -268,10 +276,12 @@ class SpecTrainer:
         return self.source.sample(self.config.rollout.eval_prompts, random.Random(f"eval:{self.config.trainer.seed}"))
 
     @torch.no_grad()
-    def evaluate(self, examples) -> float:
-        """Mean reward of greedy completions on a fixed held-out prompt set (via the engine)."""
-        _, rewards, _ = self.module.rollout(examples, n=1, greedy=True)
-        return float(rewards.mean())
+    def evaluate(self, examples) -> dict[str, float]:
+        """Mean reward on a fixed held-out prompt set (via the engine): greedy, and sampled as in
+        training (4 samples per prompt; what GRPO optimises)."""
+        _, greedy, _ = self.module.rollout(examples, n=1, greedy=True)
+        _, sampled, _ = self.module.rollout(examples, n=4)
+        return {"greedy_reward": float(greedy.mean()), "sampled_reward": float(sampled.mean())}
 
     def history(self) -> list[dict]:
         from spectrain.callbacks import RunHistory
@@ -328,8 +338,8 @@ class SpecTrainer:
         data.update(entries)
         marker.write_text(json.dumps(data, indent=2))
 
-    def _recorded_warm_reward(self) -> float:
-        return float(json.loads((self.run_dir / RUN_MARKER).read_text()).get("warmstart_reward", float("nan")))
+    def _recorded_warm_eval(self) -> dict[str, float]:
+        return json.loads((self.run_dir / RUN_MARKER).read_text())["warmstart_eval"]
 
     def check_lengths(self) -> None:
         """Prompts plus completions plus the speculative lookahead must fit the engine."""

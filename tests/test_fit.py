@@ -34,7 +34,7 @@ def test_fit_runs_end_to_end_and_resumes(tmp_path):
     assert float(next(r for r in rows if r.get("policy/engine_logprob_diff"))["policy/engine_logprob_diff"]) < 1e-3
     assert next(r for r in rows if r.get("draft/loss"))["draft/loss"]
     summary = json.loads((run_dir / "spectrain_run.json").read_text())["result"]
-    assert summary["steps"] == 2
+    assert summary["steps"] == 2 and set(summary["final"]) == {"greedy_reward", "sampled_reward"}
 
     # Same command, more steps: resumes from the checkpoint instead of starting over.
     config = load_config("tiny_cpu", [f"trainer.run_dir={run_dir}", "trainer.max_steps=3", *TINY])

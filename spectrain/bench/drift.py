@@ -69,7 +69,7 @@ def summarise(results: dict) -> dict:
             "draft_share_of_step": statistics.median(d / t for d, t in zip(draft_s, step_time))
             if mode == "cotrained" else 0.0,
             "final_train_reward": statistics.mean(tail(column(h, "reward"))),
-            "eval_reward_start": r["warmstart_reward"], "eval_reward_end": r["final_reward"],
+            "eval_reward_start": r["warmstart_reward"], "eval_reward_end": r["final_reward"],  # sampled, held out
         }
     co, fr = out["cotrained"], out["frozen"]
     out["headline"] = {

@@ -154,58 +154,66 @@ class ZigzagRingAttentionOps:
     def forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale=None):
         """``(out [T, Hq, D] in q.dtype, lse [T, Hq])`` of the local queries vs all ranks' keys."""
         h = self._halves(q, k, v, cu_seqlens_q, cu_seqlens_k, causal)
-        comm = _RingComm(self.group)
-        kv = torch.stack([k, v])
         out = lse = None
+        for step, kv in self._held_kv(torch.stack([k, v])):
+            st = _Step.plan(step, self.rank, cu_seqlens_q, h)
+            out, lse = self._step_forward(st, kv, q, out, lse, scale)
+        return out.to(q.dtype), lse
+
+    def _held_kv(self, kv: Tensor):
+        """``(step, K/V held at that step)``; the next step's K/V is in flight while one is computed."""
+        comm = _RingComm(self.group)
         for step in range(self.world):
             if step + 1 < self.world:
                 next_kv = comm.send_recv(kv)
-            st = _Step.plan(step, self.rank, cu_seqlens_q, h)
-            kv_s = _rows(kv, st.kv_rows, dim=1)
-            block = self.local_ops.forward(
-                _rows(q, st.q_rows), kv_s[0], kv_s[1], st.cu_q, st.cu_k, st.causal, scale
-            )
-            if st.q_rows is None:
-                out, lse = merge_attn(out, lse, *block)
-            else:
-                out_m, lse_m = merge_attn(out[st.q_rows], lse[st.q_rows], *block)
-                out, lse = out.index_copy(0, st.q_rows, out_m), lse.index_copy(0, st.q_rows, lse_m)
+            yield step, kv
             if step + 1 < self.world:
                 comm.wait()
                 kv = next_kv
-        return out.to(q.dtype), lse
+
+    def _step_forward(self, st: "_Step", kv: Tensor, q: Tensor, out, lse, scale):
+        """Merge one step's block into the running ``(out, lse)``."""
+        kv_s = _rows(kv, st.kv_rows, dim=1)
+        block = self.local_ops.forward(_rows(q, st.q_rows), kv_s[0], kv_s[1], st.cu_q, st.cu_k, st.causal, scale)
+        if st.q_rows is None:
+            return merge_attn(out, lse, *block)
+        out_m, lse_m = merge_attn(out[st.q_rows], lse[st.q_rows], *block)
+        return out.index_copy(0, st.q_rows, out_m), lse.index_copy(0, st.q_rows, lse_m)
+
+    def _step_backward(self, st: "_Step", kv: Tensor, dout, q, out, lse, scale) -> tuple[Tensor, Tensor]:
+        """One step's ``dq`` (of ``st.q_rows``) and stacked ``dK/dV`` (of ``st.kv_rows``)."""
+        kv_s, r = _rows(kv, st.kv_rows, dim=1), st.q_rows
+        dq_b, dk_b, dv_b = self.local_ops.backward(
+            _rows(dout, r), _rows(q, r), kv_s[0], kv_s[1], _rows(out, r), _rows(lse, r),
+            st.cu_q, st.cu_k, st.causal, scale,
+        )
+        return dq_b, torch.stack([dk_b, dv_b])
 
     def backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale=None):
         """``(dq, dk, dv)`` for the local shards; ``(out, lse)`` are the joint statistics."""
         h = self._halves(q, k, v, cu_seqlens_q, cu_seqlens_k, causal)
-        kv_comm, dkv_comm = _RingComm(self.group), _RingComm(self.group)
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        kv = torch.stack([k, v])
+        dkv_comm = _RingComm(self.group)
+        acc = _acc_dtype(q)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        for step in range(self.world):
-            if step + 1 < self.world:
-                next_kv = kv_comm.send_recv(kv)
+        for step, kv in self._held_kv(torch.stack([k, v])):
             st = _Step.plan(step, self.rank, cu_seqlens_q, h)
-            kv_s, r = _rows(kv, st.kv_rows, dim=1), st.q_rows
-            dq_b, dk_b, dv_b = self.local_ops.backward(
-                _rows(dout, r), _rows(q, r), kv_s[0], kv_s[1], _rows(out, r), _rows(lse, r),
-                st.cu_q, st.cu_k, st.causal, scale,
-            )
-            _add_rows(dq, r, dq_b)
+            dq_b, dkv_b = self._step_backward(st, kv, dout, q, out, lse, scale)
+            _add_rows(dq, st.q_rows, dq_b)
             # dK/dV of the held K/V: add our part to the accumulator that arrived with it.
             if step == 0:
-                dkv = torch.stack([dk_b, dv_b]).to(acc)
+                dkv = dkv_b.to(acc)
             else:
                 dkv_comm.wait()
                 dkv = next_dkv
-                _add_rows(dkv, st.kv_rows, torch.stack([dk_b, dv_b]), dim=1)
-            if step + 1 < self.world:
-                kv_comm.wait()
-                kv = next_kv
+                _add_rows(dkv, st.kv_rows, dkv_b, dim=1)
             # The accumulator follows its K/V to the next rank; the last hop brings it home.
             next_dkv = dkv_comm.send_recv(dkv)
         dkv_comm.wait()
         return dq.to(q.dtype), next_dkv[0].to(k.dtype), next_dkv[1].to(v.dtype)
+
+
+def _acc_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 class _ZigzagRingAttention(torch.autograd.Function):
