@@ -203,10 +203,10 @@ class SpecTrainer:
             if self.strategy is not None:
                 self.strategy.connect(self.module)
             eval_examples = self.eval_examples()
-            warm_reward = (self.evaluate(eval_examples) if resume_ckpt is None
-                           else self._on_rank_zero(self._recorded_warm_reward))
+            warm_eval = (self.evaluate(eval_examples) if resume_ckpt is None
+                         else self._on_rank_zero(self._recorded_warm_eval))
             if self.is_rank_zero:
-                self._record({"warmstart_reward": warm_reward})
+                self._record({"warmstart_eval": warm_eval})
             self.trainer = self.build_lightning_trainer()
             start_step = _checkpoint_step(resume_ckpt)
             loader = DataLoader(PromptStream(self.source, self.config.rollout.prompts_per_step,
