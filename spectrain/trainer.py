@@ -323,10 +323,11 @@ class SpecTrainer:
         if not saved.is_file():
             return
         free = {"max_steps", "progress_bar", "resume", "log_every_n_steps", "checkpoint_every_n_steps"}
-        before, now = OmegaConf.load(saved), OmegaConf.structured(self.config)
+        before = OmegaConf.to_container(OmegaConf.load(saved))
+        now = OmegaConf.to_container(OmegaConf.structured(self.config))
         for key in free:
-            before.trainer.pop(key, None)
-            now.trainer.pop(key, None)
+            before["trainer"].pop(key, None)
+            now["trainer"].pop(key, None)
         if before != now:
             raise RunDirError(f"{self.run_dir} was started with a different config ({saved}); resume it with the "
                               f"same recipe and overrides (only trainer.max_steps and reporting options may change), "

@@ -65,6 +65,7 @@ class BenchOptions:
     seed: int = 0
     hidden: int = 256
     layers: int = 4
+    logit_scale: float = 10.0
     prompts: int = 64
     median_tokens: float = 16.0  # lognormal per-request max_tokens: median, sigma, clipped to [4, max_tokens]
     sigma: float = 1.0
@@ -108,8 +109,11 @@ def tiny_policy(opts: BenchOptions) -> LlamaForCausalLM:
                       num_key_value_heads=max(1, opts.hidden // 64), max_position_embeddings=256)
     torch.manual_seed(opts.seed)
     policy = LlamaForCausalLM(cfg)
-    with torch.no_grad():  # a zero EOS row: greedy rarely stops early, max_tokens sets the lengths
-        policy.lm_head.weight[cfg.eos_token_id].zero_()
+    with torch.no_grad():
+        # sharper logits (same argmax) make the policy as confident as a trained one, so the
+        # draft's soft targets carry the argmax and sampled rollouts are predictable
+        policy.lm_head.weight.mul_(opts.logit_scale)
+        policy.lm_head.weight[cfg.eos_token_id].zero_()  # greedy rarely stops early: max_tokens sets lengths
     return policy
 
 

@@ -15,8 +15,8 @@ timed on its own (`draft_seconds`), not inside the policy step. Rounds interleav
 shared machine's load hits all modes alike. Overhead is reported both as the ratio of
 medians and as the median of the per-round ratios (paired, the headline).
 
-Usage: `spectrain bench pp [layers=8] [hidden=256] [docs=32] [doc_len=64] [microbatches=4]
-[rounds=7] [out=docs/benchmarks]`; writes pp.json, pp.md and pp.png under `out`.
+Usage: `spectrain bench pp [layers=8] [hidden=256] [docs=24] [doc_len=64] [microbatches=4]
+[rounds=10] [out=docs/benchmarks]`; writes pp.json, pp.md and pp.png under `out`.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from spectrain.plots import plot_panels
 
 SCHEDULES = ("1F1B", "GPipe")
 MODES = ("taps", "no_taps", "blocking")
-DEFAULTS = {"layers": 8, "hidden": 256, "docs": 32, "doc_len": 64, "microbatches": 4, "rounds": 7,
+DEFAULTS = {"layers": 8, "hidden": 256, "docs": 24, "doc_len": 64, "microbatches": 4, "rounds": 10,
             "out": "docs/benchmarks"}
 TARGET_OVERHEAD = 0.05
 
@@ -67,6 +67,32 @@ def _rollout(o: dict):
         logprobs = (-2 * torch.rand(o["doc_len"] - prompt, generator=g)).tolist()
         completions.append(Completion(i, ids[:prompt], ids[prompt:], logprobs, True))
     return build_rollout_batch(completions, torch.randn(o["docs"], generator=g))
+
+
+def _timed(transport):
+    """`transport` that adds the seconds its calls hold the caller (post, wait, finish_step) to `seconds`."""
+
+    class Timed(transport):
+        seconds = 0.0
+
+        def _timed_call(self, fn, *args):
+            started = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                type(self).seconds += time.perf_counter() - started
+
+        def post(self, microbatch, name, tap):
+            self._timed_call(super().post, microbatch, name, tap)
+
+        def wait(self, microbatch):
+            return self._timed_call(super().wait, microbatch)
+
+        def finish_step(self):
+            self._timed_call(super().finish_step)
+
+    Timed.__name__ = f"Timed{transport.__name__}"
+    return Timed
 
 
 def _worker(rank: int, port: int, o: dict, results) -> None:
@@ -102,21 +128,22 @@ def _measure(rank: int, port: int, o: dict) -> dict:
                         num_tokens=num_tokens)
         return out.loss, logprobs
 
-    plans = {(s, t): PipelinePlan(mesh, s, o["microbatches"], t)
-             for s in SCHEDULES for t in (TapChannel, BlockingTapTransport)}
+    transports = {"taps": _timed(TapChannel), "no_taps": _timed(TapChannel), "blocking": _timed(BlockingTapTransport)}
+    plans = {(s, m): PipelinePlan(mesh, s, o["microbatches"], transports[m]) for s in SCHEDULES for m in MODES}
     aux = tuple(draft.cfg.aux_layer_ids)
 
-    def step(schedule: str, mode: str) -> tuple[float, float]:
-        plan = plans[schedule, BlockingTapTransport if mode == "blocking" else TapChannel]
+    def step(schedule: str, mode: str) -> tuple[float, float, float]:
+        plan, transport = plans[schedule, mode], transports[mode]
         capture = () if mode == "no_taps" else aux
         policy.zero_grad(set_to_none=True)
         dist.barrier()
+        transport.seconds = 0.0
         started = time.perf_counter()
         result = plan.policy_forward_backward(policy, batch, loss_fn, capture, None)
         plan.reduce_gradients(policy)
         plan.clip_grad_norm(policy, 1.0)
+        seconds, tap_seconds = time.perf_counter() - started, transport.seconds
         dist.barrier()
-        seconds = time.perf_counter() - started
         draft_seconds = 0.0
         if mode == "taps" and plan.hosts_draft:
             started = time.perf_counter()
@@ -127,25 +154,27 @@ def _measure(rank: int, port: int, o: dict) -> dict:
             draft_opt.step()
             draft_seconds = time.perf_counter() - started
         module.draft_inputs = []
-        return seconds, draft_seconds
+        return seconds, tap_seconds, draft_seconds
 
     for s in SCHEDULES:  # warm-up: runners, buffers, allocator
         for m in MODES:
             step(s, m)
     times = {s: {m: [] for m in MODES} for s in SCHEDULES}
+    tap_times = {s: {m: [] for m in MODES} for s in SCHEDULES}
     draft_times = {s: [] for s in SCHEDULES}
     for r in range(o["rounds"]):
         order = MODES[r % len(MODES):] + MODES[:r % len(MODES)]
         for s in SCHEDULES:
             for m in order:
-                seconds, draft_seconds = step(s, m)
+                seconds, tap_seconds, draft_seconds = step(s, m)
                 times[s][m].append(seconds)
+                tap_times[s][m].append(tap_seconds)
                 if m == "taps":
                     draft_times[s].append(draft_seconds)
-    plan = plans[SCHEDULES[0], TapChannel]
-    budget = next(iter(plan._runners))[1]
+    budget = next(iter(plans[SCHEDULES[0], "taps"]._runners))[1]
     dist.destroy_process_group()
-    return {"step_seconds": times, "draft_seconds": draft_times, "tokens_per_microbatch": budget}
+    return {"step_seconds": times, "tap_call_seconds": tap_times, "draft_seconds": draft_times,
+            "tokens_per_microbatch": budget}
 
 
 def _spawn(o: dict, timeout_s: float = 900.0) -> list[dict]:
@@ -189,35 +218,39 @@ def _spread(xs: list[float]) -> dict:
 
 
 def summarise(ranks: list[dict]) -> dict:
-    """Step times of rank 0 (both ranks leave the step at the same barrier); draft times of the last stage."""
-    times, draft = ranks[0]["step_seconds"], ranks[1]["draft_seconds"]
+    """Per schedule and mode: rank 0's step time (stage 0 ends the step), tap-call time per rank, draft time."""
+    times = ranks[0]["step_seconds"]
     out = {}
     for s in SCHEDULES:
         row = {m: _spread(times[s][m]) for m in MODES}
+        floor = row["no_taps"]["median"]
         for m in ("taps", "blocking"):
             paired = [a / b - 1 for a, b in zip(times[s][m], times[s]["no_taps"])]
-            row[f"{m}_overhead"] = {"paired_median": statistics.median(paired), "paired": paired,
-                                    "ratio_of_medians": row[m]["median"] / row["no_taps"]["median"] - 1}
-        row["draft_seconds"] = _spread(draft[s])
+            q1, q2, q3 = statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3
+            calls = [statistics.median(r["tap_call_seconds"][s][m]) for r in ranks]
+            row[f"{m}_overhead"] = {"paired_median": statistics.median(paired), "paired_iqr": [q1, q3],
+                                    "paired": paired, "ratio_of_medians": row[m]["median"] / floor - 1,
+                                    "tap_call_seconds_per_rank": calls, "tap_call_share": max(calls) / floor}
+        row["draft_seconds"] = _spread(ranks[1]["draft_seconds"][s])
         out[s] = row
-    out["headline"] = {"tapchannel_overhead_1F1B": out["1F1B"]["taps_overhead"]["paired_median"],
-                       "tapchannel_overhead_GPipe": out["GPipe"]["taps_overhead"]["paired_median"],
-                       "blocking_overhead_1F1B": out["1F1B"]["blocking_overhead"]["paired_median"],
-                       "target": TARGET_OVERHEAD}
-    out["headline"]["target_met"] = all(out["headline"][f"tapchannel_overhead_{s}"] <= TARGET_OVERHEAD
-                                        for s in SCHEDULES)
+    h = {f"tapchannel_overhead_{s}": out[s]["taps_overhead"]["paired_median"] for s in SCHEDULES}
+    h.update({f"tapchannel_call_share_{s}": out[s]["taps_overhead"]["tap_call_share"] for s in SCHEDULES})
+    h.update({f"blocking_overhead_{s}": out[s]["blocking_overhead"]["paired_median"] for s in SCHEDULES})
+    h["target"] = TARGET_OVERHEAD
+    h["target_met"] = all(h[f"tapchannel_overhead_{s}"] <= TARGET_OVERHEAD for s in SCHEDULES)
+    out["headline"] = h
     return out
 
 
 def write_report(out_dir: Path, o: dict, ranks: list[dict], summary: dict, label: str) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {"machine": label, "options": o, "tokens_per_microbatch": ranks[0]["tokens_per_microbatch"],
-               "summary": summary, "step_seconds": ranks[0]["step_seconds"]}
+               "summary": summary, "per_rank": ranks}
     (out_dir / "pp.json").write_text(json.dumps(payload, indent=2))
     rounds = list(range(1, o["rounds"] + 1))
     panels = [(f"{s} policy step (s)", {m: (rounds, ranks[0]["step_seconds"][s][m]) for m in MODES})
               for s in SCHEDULES]
-    panels.append(("overhead vs no taps (%)", {
+    panels.append(("step vs no_taps, same round (%)", {
         f"{s} {m}": (rounds, [100 * x for x in summary[s][f"{m}_overhead"]["paired"]])
         for s in SCHEDULES for m in ("taps", "blocking")}))
     plot_panels(out_dir / "pp.png", "pipeline step with the draft's taps: TapChannel vs none vs blocking",
@@ -228,10 +261,17 @@ def write_report(out_dir: Path, o: dict, ranks: list[dict], summary: dict, label
         r = summary[s]
         for m in MODES:
             t = r[m]
-            over = "—" if m == "no_taps" else (f"{pct(r[f'{m}_overhead']['paired_median'])} "
-                                               f"({pct(r[f'{m}_overhead']['ratio_of_medians'])})")
-            draft = f"{r['draft_seconds']['median']:.3f}" if m == "taps" else ""
-            rows.append(f"| {s} | {m} | {t['median']:.3f} | {t['min']:.3f} .. {t['max']:.3f} | {over} | {draft} |")
+            over, calls, draft = "—", "—", ""
+            if m != "no_taps":
+                ov = r[f"{m}_overhead"]
+                over = (f"{pct(ov['paired_median'])} [{pct(ov['paired_iqr'][0])}, {pct(ov['paired_iqr'][1])}] "
+                        f"({pct(ov['ratio_of_medians'])})")
+                c = ov["tap_call_seconds_per_rank"]
+                calls = f"{1e3 * c[0]:.1f} / {1e3 * c[1]:.1f} ({100 * ov['tap_call_share']:.1f}%)"
+            if m == "taps":
+                draft = f"{r['draft_seconds']['median']:.3f}"
+            rows.append(f"| {s} | {m} | {t['median']:.3f} | {t['min']:.3f} .. {t['max']:.3f} | {over} | {calls} "
+                        f"| {draft} |")
     h = summary["headline"]
     verdict = "met" if h["target_met"] else "**missed**"
     opts = " ".join(f"{k}={v}" for k, v in o.items() if k != "out")
@@ -242,14 +282,19 @@ def write_report(out_dir: Path, o: dict, ranks: list[dict], summary: dict, label
 {o['docs']} documents x {o['doc_len']} tokens per step in {o['microbatches']} microbatches of
 {ranks[0]['tokens_per_microbatch']} tokens. Policy step = every microbatch's forward and backward,
 gradient reduction and global clip; {o['rounds']} interleaved rounds after a warm-up.
+Step-time overhead is paired per round (median [quartiles], then the ratio of medians). Tap
+calls: median seconds per step that `post`/`wait`/`finish_step` hold stage 0 / the last stage,
+and the larger as a share of the no-taps step: the time the transport itself puts on a stage.
 
-| schedule | mode | step s (median) | min .. max | overhead vs no_taps: paired median (ratio of medians) | draft TTT step s (last stage) |
-|---|---|---|---|---|---|
+| schedule | mode | step s (median) | min .. max | step vs no_taps: paired median [IQR] (ratio of medians) | tap calls ms, stage 0 / last (share) | draft TTT step s (last stage) |
+|---|---|---|---|---|---|---|
 {chr(10).join(rows)}
 
-Headline: TapChannel overhead on the policy step is **{pct(h['tapchannel_overhead_1F1B'])}** under 1F1B
-and **{pct(h['tapchannel_overhead_GPipe'])}** under GPipe (target <= {pct(TARGET_OVERHEAD)}: {verdict});
-blocking sends cost {pct(h['blocking_overhead_1F1B'])} under 1F1B.
+Headline: the TapChannel adds **{pct(h['tapchannel_overhead_1F1B'])}** to the 1F1B step and
+**{pct(h['tapchannel_overhead_GPipe'])}** to the GPipe step (paired medians; target <= {pct(TARGET_OVERHEAD)}:
+{verdict}); its calls hold a stage for {100 * h['tapchannel_call_share_1F1B']:.1f}% (1F1B) and
+{100 * h['tapchannel_call_share_GPipe']:.1f}% (GPipe) of the step. Blocking sends: {pct(h['blocking_overhead_1F1B'])}
+(1F1B), {pct(h['blocking_overhead_GPipe'])} (GPipe).
 
 ![pp](pp.png)
 """)
