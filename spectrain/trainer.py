@@ -213,6 +213,7 @@ class SpecTrainer:
                                              self.config.trainer.seed, start_step),
                                 batch_size=None, collate_fn=lambda x: x)
             self.trainer.fit(self.module, train_dataloaders=loader, ckpt_path=resume_ckpt)
+            self.sync_final_weights()
             final_eval = self.evaluate(eval_examples)
             if self.is_rank_zero:
                 self.export_models(self.module.policy, self.module.draft, self.run_dir / "final")
@@ -271,6 +272,17 @@ class SpecTrainer:
                          callbacks=self.build_callbacks(), default_root_dir=str(self.run_dir),
                          log_every_n_steps=t.log_every_n_steps, enable_progress_bar=t.progress_bar,
                          enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+
+    def sync_final_weights(self) -> None:
+        """Push the trained weights once more: a resumed run that was already done never ran a sync."""
+        version = self.trainer.global_step
+        policy, draft = self.module.policy_weights_for_sync(), None
+        if self.module.draft is not None:
+            draft = self.module.draft_weights_for_sync()
+        if self.engine is not None:
+            self.engine.sync_policy(policy, version)
+            if draft is not None:
+                self.engine.sync_draft(draft, version)
 
     def eval_examples(self):
         return self.source.sample(self.config.rollout.eval_prompts, random.Random(f"eval:{self.config.trainer.seed}"))
