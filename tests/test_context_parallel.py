@@ -135,3 +135,139 @@ def test_plan_matches_local_plan(dp, cp):
     assert want["draft_metrics"][2, 0] > 0 and want["policy_loss"] != 0
     for rank, got in enumerate(run_distributed(_plan_worker, dp * cp, dp, cp, timeout=240)):
         _assert_close(got, want, f"dp={dp} cp={cp} rank {rank}")
+
+
+# ---------------------------------------------------------------------------------- bad input
+def test_cp_not_dividing_the_world_names_the_fix(monkeypatch):
+    with pytest.raises(ValueError, match=r"3 does not divide 4"):
+        check_mesh_shape(1, 1, 3, 4)
+    with pytest.raises(ValueError, match=r"set parallel.dp=2"):
+        check_mesh_shape(1, 1, 2, 4)
+    with pytest.raises(ValueError, match=r"parallel.cp=0"):
+        check_mesh_shape(1, 1, 0, 1)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match=r"Launch 2 processes .*--nproc-per-node 2"):
+        build_mesh(1, 1, 2)  # one process, no torchrun
+    from spectrain.parallel.strategy import SpecParallelStrategy
+
+    with pytest.raises(ValueError, match=r"Launch 2 processes"):  # before any rendezvous is attempted
+        SpecParallelStrategy(load_config(overrides=["parallel.cp=2"]).parallel).setup_distributed()
+    assert not dist.is_initialized()
+
+
+def test_padded_documents_longer_than_the_positions_fail_before_work(tmp_path):
+    from spectrain.trainer import SpecTrainer
+
+    def trainer(*overrides):
+        t = SpecTrainer(load_config(overrides=[f"trainer.run_dir={tmp_path}", *overrides]))
+        t.tokenizer, t.source = t.build_tokenizer(), t.prompts()
+        return t
+
+    t = trainer()
+    longest = max(len(t.tokenizer.encode(ex.prompt)) for ex in t.eval_examples())  # as check_lengths sees them
+    new = 17 - longest % 16  # longest + new = 1 (mod 16): cp=8 pads it by 15 tokens
+    fits = longest + new + 4  # + the speculative lookahead: the engine's bound holds exactly
+    ok = [f"rollout.max_new_tokens={new}", f"rollout.max_model_len={fits}", f"policy.max_position_embeddings={fits}"]
+    trainer(*ok, "parallel.cp=2").check_lengths()  # 1 (mod 16) pads by 3 at cp=2
+    with pytest.raises(ConfigError, match=r"policy.max_position_embeddings: .* parallel.cp=8: .* multiple of 2\*cp"):
+        trainer(*ok, "parallel.cp=8").check_lengths()
+    with pytest.raises(ValueError, match="cannot be split over parallel.dp=4"):
+        dp_documents(3, 4, 0)
+    assert dp_documents(7, 2, 0) == [0, 1, 2, 3] and dp_documents(7, 2, 1) == [4, 5, 6]
+
+
+def test_attention_backend_without_cp_support_fails_before_work():
+    check_cp_attention_ops(LocalAttentionOps())
+
+    class CausalOnly(LocalAttentionOps):
+        supports_context_parallel = False
+
+    class ForwardOnly:
+        def forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale=None): ...
+
+    with pytest.raises(TypeError, match=r"CausalOnly: it declares supports_context_parallel = False.*parallel.cp=1"):
+        check_cp_attention_ops(CausalOnly())
+    with pytest.raises(TypeError, match=r"ForwardOnly: it has no .*backward"):
+        check_cp_attention_ops(ForwardOnly())
+    with pytest.raises(TypeError, match="already ring attention"):
+        check_cp_attention_ops(ZigzagRingAttentionOps.__new__(ZigzagRingAttentionOps))
+
+
+def test_strategy_is_registered():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from spectrain.parallel.strategy import STRATEGY_NAME, SpecParallelStrategy
+
+    assert StrategyRegistry[STRATEGY_NAME]["strategy"] is SpecParallelStrategy
+
+
+# ---------------------------------------------------------------------------------- spectrain fit
+FIT = ["trainer.max_steps=3", "sft.steps=30", "draft.warmup_steps=10", "rollout.prompts_per_step=4",
+       "rollout.group_size=4", "rollout.eval_prompts=8", "task.partial_credit=0.5", "draft.check_alive=false",
+       "trainer.progress_bar=false", "trainer.checkpoint_every_n_steps=1000"]
+FIT_COLUMNS = ("policy/loss", "policy/grad_norm", "draft/loss", "draft/pass_1_loss", "draft/pass_3_loss")
+FIT_RTOL, FIT_ATOL = 1e-4, 1e-6  # float32; measured ~2e-6 relative (ring merges, summed shards)
+
+
+def _fit(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
+    cmd = [sys.executable, "-m", "spectrain.cli", "fit", "tiny_cpu", *FIT, *overrides,
+           f"trainer.run_dir={tmp_path / name}", f"trainer.warmstart_dir={tmp_path / 'warmstart'}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    with open(tmp_path / name / "logs" / "metrics.csv") as f:
+        return [row for row in csv.DictReader(f) if row.get("policy/loss")]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(3000)
+def test_fit_cp2_reproduces_cp1_losses(tmp_path):
+    """`spectrain fit ... parallel.cp=2` (relaunched under torchrun) logs the cp=1 losses of the first
+    steps: the rollout is the same (rank 0's engine, same seed), the step is split in zigzag shards."""
+    one = _fit(tmp_path, "cp1")  # fills the shared warm-start cache; cp=2 reads it
+    two = _fit(tmp_path, "cp2", "parallel.cp=2")
+    assert len(one) == len(two) == 3
+    assert all(float(r["policy/grad_norm"]) > 0 for r in one), "no policy gradient: the check would be vacuous"
+    for step, (a, b) in enumerate(zip(one, two)):
+        for col in FIT_COLUMNS:
+            x, y = float(a[col]), float(b[col])
+            assert abs(x - y) <= FIT_RTOL * abs(x) + FIT_ATOL, f"step {step} {col}: cp=1 {x} vs cp=2 {y}"
+
+
+# ---------------------------------------------------------------------------------- bench baselines
+def test_bench_dense_baseline_is_ttt_attention():
+    """`spectrain bench cp`'s dense-mask baseline computes what `ttt_attention` computes."""
+    from spectrain.bench.cp import HKV, HQ, D, dense_ttt_attention, staircase_mask
+    from spectrain.ops.ttt_attention import ttt_attention
+
+    cu = torch.tensor([0, 5, 17, 30], dtype=torch.int32)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(30, HQ, D, generator=g, dtype=torch.float64)
+    keys = [torch.randn(30, HKV, D, generator=g, dtype=torch.float64) for _ in range(3)]
+    values = [torch.randn(30, HKV, D, generator=g, dtype=torch.float64) for _ in range(3)]
+    mask = staircase_mask(cu, 3)
+    assert mask.shape == (30, 90) and mask[6, 5:7].tolist() == [True, True] and not mask[6, 4] and mask[6, 36]
+    torch.testing.assert_close(dense_ttt_attention(q, keys, values, cu), ttt_attention(q, keys, values, cu),
+                               rtol=1e-10, atol=1e-10)
+
+
+def _allgather_worker(rank, world):
+    from spectrain.bench.cp import AllGatherKVOps
+    from spectrain.parallel.zigzag import ZigzagLayout
+
+    lay = ZigzagLayout.build(torch.tensor([0, 5, 42, 106, 124], dtype=torch.int32), world, rank)
+    cu, n = lay.cu_seqlens_local, lay.num_local_tokens
+    g = torch.Generator().manual_seed(rank)
+    q, k, v, dout = (torch.randn(n, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4))
+    out = {}
+    for name, ops in (("ring", ZigzagRingAttentionOps(dist.group.WORLD)), ("allgather", AllGatherKVOps(dist.group.WORLD))):
+        o, lse = ops.forward(q, k, v, cu, cu, True)
+        out[name] = (o, lse, *ops.backward(dout, q, k, v, o, lse, cu, cu, True))
+    return out
+
+
+@pytest.mark.slow
+def test_bench_allgather_baseline_matches_ring():
+    for rank, res in enumerate(run_distributed(_allgather_worker, 2, timeout=120)):
+        for got, want in zip(res["allgather"], res["ring"]):
+            torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"rank {rank}: {m}")

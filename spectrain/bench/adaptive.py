@@ -66,6 +66,7 @@ class BenchOptions:
     hidden: int = 256
     layers: int = 4
     logit_scale: float = 10.0
+    embed_scale: float = 10.0
     prompts: int = 64
     median_tokens: float = 16.0  # lognormal per-request max_tokens: median, sigma, clipped to [4, max_tokens]
     sigma: float = 1.0
@@ -110,9 +111,12 @@ def tiny_policy(opts: BenchOptions) -> LlamaForCausalLM:
     torch.manual_seed(opts.seed)
     policy = LlamaForCausalLM(cfg)
     with torch.no_grad():
-        # sharper logits (same argmax) make the policy as confident as a trained one, so the
-        # draft's soft targets carry the argmax and sampled rollouts are predictable
+        # A random init is nearly uniform and mixes context at random; a trained policy is
+        # confident and mostly predictable from the last tokens. Sharper logits (same argmax)
+        # and a stronger token embedding (the residual stream keeps the token) get there, so
+        # a short TTT run gives a draft that agrees often.
         policy.lm_head.weight.mul_(opts.logit_scale)
+        policy.model.embed_tokens.weight.mul_(opts.embed_scale)
         policy.lm_head.weight[cfg.eos_token_id].zero_()  # greedy rarely stops early: max_tokens sets lengths
     return policy
 
