@@ -31,13 +31,13 @@ class WeightSync(Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         # The engine was started from the exported weights; after a resume the module holds newer ones.
-        self._push(trainer, pl_module, draft=pl_module.draft is not None)
+        self._push(trainer, pl_module, draft=pl_module.draft is not None, log_time=False)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._verify_speculation(pl_module)
-        self._push(trainer, pl_module, draft=pl_module.trains_draft)
+        self._push(trainer, pl_module, draft=pl_module.trains_draft, log_time=True)
 
-    def _push(self, trainer, pl_module, draft: bool) -> None:
+    def _push(self, trainer, pl_module, draft: bool, log_time: bool) -> None:
         version = trainer.global_step
         started = time.perf_counter()
         # every rank gathers (collective under PP); only the rollout rank holds an engine
@@ -51,7 +51,7 @@ class WeightSync(Callback):
                 pl_module.engine.sync_draft(weights, version)
             self.draft_version = version
             self._draft_check_pending = self.check_alive
-        if trainer.global_step > 0:
+        if log_time:  # Lightning refuses step metrics in on_train_start
             pl_module.log("time/weight_sync", time.perf_counter() - started, on_step=True, batch_size=1)
 
     def _verify_speculation(self, pl_module) -> None:

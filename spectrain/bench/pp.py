@@ -107,7 +107,7 @@ def _measure(rank: int, port: int, o: dict) -> dict:
 
     from spectrain.callbacks.draft_cotraining import draft_loss
     from spectrain.parallel.mesh import build_mesh
-    from spectrain.parallel.pipeline_plan import PipelinePlan
+    from spectrain.parallel.pipeline_plan import PipelinePlan, microbatch_budget
     from spectrain.parallel.tap_channel import BlockingTapTransport, TapChannel
     from spectrain.rl.grpo import grpo_loss, token_logprobs
 
@@ -172,10 +172,9 @@ def _measure(rank: int, port: int, o: dict) -> dict:
                 tap_times[s][m].append(tap_seconds)
                 if m == "taps":
                     draft_times[s].append(draft_seconds)
-    budget = next(iter(plans[SCHEDULES[0], "taps"]._runners))[1]
     dist.destroy_process_group()
     return {"step_seconds": times, "cpu_seconds": cpu_times, "tap_call_seconds": tap_times, "draft_seconds": draft_times,
-            "tokens_per_microbatch": budget}
+            "tokens_per_microbatch": microbatch_budget(batch.cu_seqlens, o["microbatches"])}
 
 
 def _spawn(o: dict, timeout_s: float = 900.0) -> list[dict]:
@@ -187,13 +186,11 @@ def _spawn(o: dict, timeout_s: float = 900.0) -> list[dict]:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # inherited by the spawned workers
+    procs = [ctx.Process(target=_worker, args=(r, port, o, results), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    out, deadline = {}, time.monotonic() + timeout_s
     try:
-        procs = [ctx.Process(target=_worker, args=(r, port, o, results), daemon=True) for r in range(2)]
-        for p in procs:
-            p.start()
-        out, deadline = {}, time.monotonic() + timeout_s
         while len(out) < 2:
             try:
                 rank, ok, payload = results.get(timeout=max(1.0, deadline - time.monotonic()))
@@ -202,15 +199,11 @@ def _spawn(o: dict, timeout_s: float = 900.0) -> list[dict]:
             if not ok:
                 raise RuntimeError(f"bench pp: rank {rank} failed:\n{payload}")
             out[rank] = payload
-        for p in procs:
-            p.join(timeout=30)
     finally:
         for p in procs:
+            p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-        os.environ.update({k: v for k, v in env.items() if v is not None})
-        for k in (k for k, v in env.items() if v is None):
-            os.environ.pop(k, None)
     return [out[0], out[1]]
 
 

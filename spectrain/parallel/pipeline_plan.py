@@ -253,7 +253,7 @@ class PipelinePlan:
         return PolicyStepResult(step_loss, logprobs, concat_batches([mb for _, mb, _ in outputs], part), inputs)
 
     def reduce_gradients(self, module: nn.Module) -> None:
-        """Sum the gradients over the copies of this rank's stage(s) (its dp x cp group), one flat all-reduce per dtype."""
+        """Sum the gradients over the copies of this rank's stage(s) (its dp x cp group), one all-reduce per dtype."""
         if dist.get_world_size(self.stage_replica_group) == 1:
             return
         for bucket in _by_dtype([p.grad for p in module.parameters() if p.grad is not None]):
