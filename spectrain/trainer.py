@@ -178,8 +178,9 @@ class SpecTrainer:
     def build_logger(self):
         t = self.config.trainer
         if t.logger == "tensorboard":
-            return TensorBoardLogger(save_dir=str(self.run_dir), name="logs", version="")
-        return CSVLogger(save_dir=str(self.run_dir), name="logs", version="")
+            return TensorBoardLogger(save_dir=str(self.run_dir), name="logs")
+        # one version_N folder per (resumed) segment: Lightning rewrites a CSV whose columns change
+        return CSVLogger(save_dir=str(self.run_dir), name="logs")
 
     # the run ------------------------------------------------------------------------------
     def fit(self) -> FitResult:

@@ -214,7 +214,7 @@ def _fit(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
            f"trainer.run_dir={tmp_path / name}", f"trainer.warmstart_dir={tmp_path / 'warmstart'}"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    with open(tmp_path / name / "logs" / "metrics.csv") as f:
+    with open(tmp_path / name / "logs" / "version_0" / "metrics.csv") as f:
         return [row for row in csv.DictReader(f) if row.get("policy/loss")]
 
 

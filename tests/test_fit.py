@@ -14,8 +14,11 @@ TINY = ["sft.steps=20", "sft.batch_size=16", "draft.warmup_steps=10", "rollout.p
 
 
 def metrics(run_dir):
-    with open(run_dir / "logs" / "metrics.csv") as f:
-        return list(csv.DictReader(f))
+    rows = []
+    for path in sorted((run_dir / "logs").glob("version_*/metrics.csv")):
+        with open(path) as f:
+            rows += list(csv.DictReader(f))
+    return rows
 
 
 @pytest.mark.slow

@@ -67,13 +67,13 @@ class BenchOptions:
     layers: int = 4
     logit_scale: float = 10.0
     embed_scale: float = 10.0
-    prompts: int = 64
-    median_tokens: float = 16.0  # lognormal per-request max_tokens: median, sigma, clipped to [4, max_tokens]
+    prompts: int = 32
+    median_tokens: float = 12.0  # lognormal per-request max_tokens: median, sigma, clipped to [4, max_tokens]
     sigma: float = 1.0
-    max_tokens: int = 96
+    max_tokens: int = 64
     k_max: int = 5
     repeats: int = 3
-    draft_steps: int = 150
+    draft_steps: int = 80
     draft_batch: int = 8
     draft_len: int = 40  # tokens per training sequence (greedy outputs of the policy)
     ttt_steps: int = 3  # TTT passes when training the draft (it still proposes up to k_max)
@@ -82,7 +82,7 @@ class BenchOptions:
     verify_budget: int = 0  # 0: calibrate here with the `spectrain calibrate` procedure
     e2e_prompts: int = 8
     e2e_group: int = 4
-    e2e_steps: int = 4  # per run; the first has no taps to spot-train on and is not timed
+    e2e_steps: int = 3  # per run; the first has no taps to spot-train on and is not timed
     e2e_temperature: float = 0.7
     long_tail_threshold: int = 8
     long_tail_max_steps: int = 4
@@ -198,19 +198,20 @@ def throughput_configs(opts: BenchOptions, budget: int) -> dict[str, Callable[[]
 
 
 def run_throughput(opts, plain, spec, configs, prompts, sampling) -> tuple[dict, dict, dict]:
-    """Interleaved repeats (plus one untimed warm-up round): tokens per wall second and per CPU second."""
+    """Interleaved repeats after a short warm-up of every config: tokens per wall and per CPU second."""
+    warmup = [dataclasses.replace(s, max_tokens=8) for s in sampling[:8]]
+    for name, make in configs.items():
+        timed_rollout(plain if name == "no draft" else spec, prompts[:8], warmup, make())
     wall = {name: [] for name in configs}
     cpu = {name: [] for name in configs}
     traces = {}
-    for rep in range(-1, opts.repeats):
+    for rep in range(opts.repeats):
         for name, make in configs.items():
             result, wall_s, cpu_s = timed_rollout(plain if name == "no draft" else spec, prompts, sampling, make())
-            if rep >= 0:
-                wall[name].append(result.num_tokens / wall_s)
-                cpu[name].append(result.num_tokens / cpu_s)
-                traces[name] = result.trace
-        if rep >= 0:
-            log(f"repeat {rep} tokens/s: " + ", ".join(f"{n} {v[-1]:.0f}" for n, v in wall.items()))
+            wall[name].append(result.num_tokens / wall_s)
+            cpu[name].append(result.num_tokens / cpu_s)
+            traces[name] = result.trace
+        log(f"repeat {rep} tokens/s: " + ", ".join(f"{n} {v[-1]:.0f}" for n, v in wall.items()))
     return ({n: summarize(v) for n, v in wall.items()}, {n: summarize(v) for n, v in cpu.items()}, traces)
 
 
@@ -338,7 +339,7 @@ def markdown(data: dict) -> str:
     o = data["options"]
     return f"""# Adaptive speculation benchmark
 
-`spectrain bench adaptive` ({data['command']}), one process, {data['seconds']:.0f} s.
+`{data['command']}`: one process, {data['seconds']:.0f} s wall, {data['cpu_seconds']:.0f} s CPU.
 Machine: {data['machine']}; load average {data['load_average_start']} at start, {data['load_average_end']} at end
 (the machine is shared: absolute numbers are only comparable within this run).
 
@@ -408,7 +409,7 @@ def headline(throughput: dict) -> dict:
 def main(overrides: list[str]) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     opts = parse_options(overrides)
-    started, load_start = time.perf_counter(), os.getloadavg()
+    started, cpu_started, load_start = time.perf_counter(), time.process_time(), os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="spectrain_bench_adaptive_"))
     policy_dir, draft_dir, policy = prepare_models(opts, work)
     # Two in-process engines share vLLM's global parallel state: shutting one down breaks the
@@ -432,8 +433,10 @@ def main(overrides: list[str]) -> int:
     data = {"command": "spectrain bench adaptive " + " ".join(overrides), "machine": machine_label(),
             "load_average_start": [round(x, 1) for x in load_start],
             "load_average_end": [round(x, 1) for x in os.getloadavg()],
-            "seconds": time.perf_counter() - started, "options": dataclasses.asdict(opts),
-            "policy": opts.run_dir or f"random Llama hidden {opts.hidden}, {opts.layers} layers, vocab 128",
+            "seconds": time.perf_counter() - started, "cpu_seconds": time.process_time() - cpu_started,
+            "options": dataclasses.asdict(opts),
+            "policy": opts.run_dir or (f"random Llama hidden {opts.hidden}, {opts.layers} layers, vocab 128, "
+                                       f"logits x{opts.logit_scale}, embeddings x{opts.embed_scale}"),
             "draft_top1": top1, "verify_budget": budget, "verify_budget_source": source, "calibration": calibration,
             "workload": {"total_tokens": sum(lengths), "longest": max(lengths), "max_tokens": lengths},
             "throughput_tokens_per_s": throughput, "throughput_tokens_per_cpu_s": per_cpu_s,

@@ -173,8 +173,9 @@ def _measure(rank: int, port: int, o: dict) -> dict:
                 if m == "taps":
                     draft_times[s].append(draft_seconds)
     dist.destroy_process_group()
-    return {"step_seconds": times, "cpu_seconds": cpu_times, "tap_call_seconds": tap_times, "draft_seconds": draft_times,
-            "tokens_per_microbatch": microbatch_budget(batch.cu_seqlens, o["microbatches"])}
+    budget = microbatch_budget(batch.cu_seqlens, o["microbatches"])
+    return {"step_seconds": times, "cpu_seconds": cpu_times, "tap_call_seconds": tap_times,
+            "draft_seconds": draft_times, "tokens_per_microbatch": budget}
 
 
 def _spawn(o: dict, timeout_s: float = 900.0) -> list[dict]:

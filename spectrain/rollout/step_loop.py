@@ -117,7 +117,8 @@ def generate_stepwise(
         controller: sets `k` before every step (`engine.set_num_speculative_tokens`); the
             engine must then have been started with a per-batch-size schedule.
         idle_hook: called between steps with the live batch size while requests remain.
-            The controller's last `k` stays in effect after the loop.
+
+    The controller's last `k` stays in effect after the loop.
     """
     from vllm.inputs import TokensPrompt
 
@@ -128,16 +129,16 @@ def generate_stepwise(
     if llm_engine.logger_manager is None:
         raise RolloutEngineError("the step loop reads vLLM's per-step stats: start the engine with "
                                  "disable_log_stats=False (VLLMRolloutEngine does)")
-    engine._in_process_scheduler()  # fail early, before adding requests, if the core is out of process
+    engine.in_process_scheduler()  # fail early, before adding requests, if the core is out of process
     for hook in (controller, idle_hook):
         if hook is not None:
             hook.begin_rollout()
-    tap = _stats_tap_class()()
-    llm_engine.logger_manager.stat_loggers.append(tap)
     params = [engine.sampling_params(c, len(p)) for c, p in zip(configs, prompts)]
     request_ids = engine.llm.enqueue([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     finished = []
     trace: list[StepRecord] = []
+    tap = _stats_tap_class()()
+    llm_engine.logger_manager.stat_loggers.append(tap)
     try:
         while llm_engine.has_unfinished_requests():
             live = min(llm_engine.get_num_unfinished_requests(), engine.max_num_seqs)

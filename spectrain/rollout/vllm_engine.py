@@ -130,7 +130,7 @@ class VLLMRolloutEngine:
         """Most requests vLLM schedules in one step (the largest live batch)."""
         return self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
 
-    def _in_process_scheduler(self):
+    def in_process_scheduler(self):
         """vLLM's scheduler; its `dynamic_sd_lookup[batch size] -> k` (or None) is read every step."""
         core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)
         if core is None:
@@ -139,7 +139,7 @@ class VLLMRolloutEngine:
         return core.scheduler
 
     def _dynamic_scheduler(self):
-        scheduler = self._in_process_scheduler()
+        scheduler = self.in_process_scheduler()
         if self.draft_dir is None or scheduler.dynamic_sd_lookup is None:
             raise RolloutEngineError(
                 "this engine cannot change k at runtime: start it with a draft and a per-batch-size schedule, "
@@ -172,7 +172,7 @@ class VLLMRolloutEngine:
         """The `k` vLLM uses at `batch_size` live sequences under the current schedule."""
         if self.draft_dir is None:
             return 0
-        lookup = self._in_process_scheduler().dynamic_sd_lookup
+        lookup = self.in_process_scheduler().dynamic_sd_lookup
         return self.num_speculative_tokens if lookup is None else lookup[min(max(batch_size, 1), self.max_num_seqs)]
 
     # weight sync ----------------------------------------------------------------------
