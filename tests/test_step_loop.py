@@ -81,6 +81,23 @@ def test_recipes_switch_on_what_they_say():
         load_config("tiny_cpu_longtail", ["parallel.dp=2"])
 
 
+def test_module_checkpoints_the_bandit_state():
+    from spectrain.models.llama import LlamaConfig, LlamaForCausalLM
+    from spectrain.module import GRPOModule
+
+    config = load_config("tiny_cpu_bandit", ["speculation.verify_budget=16"])
+    module = GRPOModule(config, LlamaForCausalLM(LlamaConfig()), None, None, None)
+    module.speculation = BanditController(BanditSelector([SpecArm(1), SpecArm(3)], epsilon=0.0, seed=0))
+    module.speculation.before_step(8)
+    module.speculation.after_step(record(8))
+    module.speculation.after_step(record(8, drafts=8, accepted=8))
+    checkpoint = {}
+    module.on_save_checkpoint(checkpoint)
+    resumed = GRPOModule(config, LlamaForCausalLM(LlamaConfig()), None, None, None)
+    resumed.on_load_checkpoint(checkpoint)  # before the first rollout: kept until the controller is built
+    assert resumed._speculation_state["selector"]["counts"] == [[1, 0]]
+
+
 # ------------------------------------------------------------------------ with vLLM
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):

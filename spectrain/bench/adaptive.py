@@ -72,7 +72,7 @@ class BenchOptions:
     sigma: float = 1.0
     max_tokens: int = 64
     k_max: int = 5
-    repeats: int = 3
+    repeats: int = 7  # throughput rounds (short rollouts: many interleaved rounds beat a noisy machine)
     draft_steps: int = 80
     draft_batch: int = 8
     draft_len: int = 40  # tokens per training sequence (greedy outputs of the policy)
@@ -82,7 +82,7 @@ class BenchOptions:
     verify_budget: int = 0  # 0: calibrate here with the `spectrain calibrate` procedure
     e2e_prompts: int = 8
     e2e_group: int = 4
-    e2e_steps: int = 3  # per run; the first has no taps to spot-train on and is not timed
+    e2e_steps: int = 4  # per mode, interleaved; the first has no taps to spot-train on and is not timed
     e2e_temperature: float = 0.7
     long_tail_threshold: int = 8
     long_tail_max_steps: int = 4
@@ -198,20 +198,25 @@ def throughput_configs(opts: BenchOptions, budget: int) -> dict[str, Callable[[]
 
 
 def run_throughput(opts, plain, spec, configs, prompts, sampling) -> tuple[dict, dict, dict]:
-    """Interleaved repeats after a short warm-up of every config: tokens per wall and per CPU second."""
+    """Interleaved repeats (the order rotates every round) after a short warm-up of every config.
+
+    Returns tokens per wall second and per process-CPU second, per config (runs aligned by
+    round, for paired ratios), and the last round's traces.
+    """
     warmup = [dataclasses.replace(s, max_tokens=8) for s in sampling[:8]]
     for name, make in configs.items():
         timed_rollout(plain if name == "no draft" else spec, prompts[:8], warmup, make())
-    wall = {name: [] for name in configs}
-    cpu = {name: [] for name in configs}
+    names = list(configs)
+    wall = {name: [0.0] * opts.repeats for name in names}
+    cpu = {name: [0.0] * opts.repeats for name in names}
     traces = {}
     for rep in range(opts.repeats):
-        for name, make in configs.items():
-            result, wall_s, cpu_s = timed_rollout(plain if name == "no draft" else spec, prompts, sampling, make())
-            wall[name].append(result.num_tokens / wall_s)
-            cpu[name].append(result.num_tokens / cpu_s)
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            result, wall_s, cpu_s = timed_rollout(plain if name == "no draft" else spec, prompts, sampling,
+                                                  configs[name]())
+            wall[name][rep], cpu[name][rep] = result.num_tokens / wall_s, result.num_tokens / cpu_s
             traces[name] = result.trace
-        log(f"repeat {rep} tokens/s: " + ", ".join(f"{n} {v[-1]:.0f}" for n, v in wall.items()))
+        log(f"repeat {rep} tokens/s: " + ", ".join(f"{n} {v[rep]:.0f}" for n, v in wall.items()))
     return ({n: summarize(v) for n, v in wall.items()}, {n: summarize(v) for n, v in cpu.items()}, traces)
 
 
@@ -255,8 +260,7 @@ def grpo_like_step(state: E2EState, engine, prompts, sampling, controller, spot:
     state.taps = (batch, out)  # the draft and its loss detach what they read
     draft_step(state, opts.ttt_steps)
     t2 = time.perf_counter()
-    engine.sync_policy([(n, p.detach()) for n, p in state.policy.state_dict().items()], 0)
-    engine.sync_draft(draft_sync_weights(state.draft), 0)
+    sync_engine(engine, state)
     t3 = time.perf_counter()
     spec = sum(r.accepted for r in result.trace), sum(r.drafts for r in result.trace)
     return {"step_s": t3 - t0, "rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2,
@@ -264,33 +268,48 @@ def grpo_like_step(state: E2EState, engine, prompts, sampling, controller, spot:
             "acceptance_length": 1 + spec[0] / spec[1] if spec[1] else 1.0}
 
 
+E2E_KEYS = ("step_s", "rollout_s", "train_s", "sync_s", "spot_steps", "spot_s", "acceptance_length")
+
+
 def run_e2e(opts, spec, policy_dir, draft_dir, budget) -> dict:
-    """Interleaved runs of `e2e_steps` GRPO-like steps without / with spot training, from the same start."""
-    prompts = [p for p in random_prompts(opts.e2e_prompts, opts.seed + 7)]
+    """GRPO-like steps without / with spot training, interleaved step by step from the same start.
+
+    Each mode keeps its own policy, draft and optimizers; the engine gets a mode's weights
+    before its step (untimed). Step 1 has no taps to spot-train on and is not timed.
+    """
+    prompts = random_prompts(opts.e2e_prompts, opts.seed + 7)
     lengths = long_tailed_lengths(opts, len(prompts), opts.seed + 7)
     sampling = [SamplingConfig(n=opts.e2e_group, max_tokens=m, temperature=opts.e2e_temperature, seed=opts.seed)
                 for m in lengths]
     rule = ConcurrencyAwareRule(budget, k_max=opts.k_max, n_max=opts.k_max + 1)
-    results = {"without long tail": [], "with long tail": []}
-    for rep in range(opts.repeats):
-        for name in results:
-            policy, draft = load_pretrained(policy_dir), load_draft(draft_dir)
-            state = E2EState(policy, draft, torch.optim.AdamW(policy.parameters(), lr=1e-4),
-                             torch.optim.AdamW(draft.parameters(), lr=1e-3))
-            spec.sync_policy([(n, p.detach()) for n, p in policy.state_dict().items()], 0)
-            spec.sync_draft(draft_sync_weights(draft), 0)
-            spot_policy = LongTailPolicy(opts.long_tail_threshold, mode=name == "with long tail",
-                                         max_steps=opts.long_tail_max_steps)
-            steps = []
-            for i in range(opts.e2e_steps):
-                spot = LongTailTrainer(spot_policy, lambda: draft_step(state, opts.ttt_steps)) if state.taps else None
-                steps.append(grpo_like_step(state, spec, prompts, sampling, ConcurrencyController(rule), spot, opts))
-            results[name].append(steps[1:])
-            log(f"e2e repeat {rep} {name}: step s {[round(s['step_s'], 2) for s in steps[1:]]}, "
-                f"spot steps {[s['spot_steps'] for s in steps[1:]]}")
-    return {name: {key: summarize([statistics.mean(s[key] for s in run) for run in runs])
-                   for key in ("step_s", "rollout_s", "train_s", "sync_s", "spot_steps", "spot_s", "acceptance_length")}
-            for name, runs in results.items()}
+    modes = ["without long tail", "with long tail"]
+    states = {name: fresh_state(policy_dir, draft_dir) for name in modes}
+    spot_policy = {name: LongTailPolicy(opts.long_tail_threshold, mode=name == "with long tail",
+                                        max_steps=opts.long_tail_max_steps) for name in modes}
+    records = {name: [] for name in modes}
+    for i in range(opts.e2e_steps):
+        for name in modes if i % 2 == 0 else modes[::-1]:
+            state = states[name]
+            sync_engine(spec, state)
+            spot = LongTailTrainer(spot_policy[name], lambda: draft_step(state, opts.ttt_steps)) if state.taps else None
+            record = grpo_like_step(state, spec, prompts, sampling, ConcurrencyController(rule), spot, opts)
+            if i:
+                records[name].append(record)
+        if i:
+            log(f"e2e step {i}: " + ", ".join(f"{n} {r[-1]['step_s']:.2f} s ({r[-1]['spot_steps']} spot)"
+                                              for n, r in records.items()))
+    return {name: {key: summarize([r[key] for r in recs]) for key in E2E_KEYS} for name, recs in records.items()}
+
+
+def fresh_state(policy_dir: Path, draft_dir: Path) -> E2EState:
+    policy, draft = load_pretrained(policy_dir), load_draft(draft_dir)
+    return E2EState(policy, draft, torch.optim.AdamW(policy.parameters(), lr=1e-4),
+                    torch.optim.AdamW(draft.parameters(), lr=1e-3))
+
+
+def sync_engine(engine, state: E2EState) -> None:
+    engine.sync_policy([(n, p.detach()) for n, p in state.policy.state_dict().items()], 0)
+    engine.sync_draft(draft_sync_weights(state.draft), 0)
 
 
 # -------------------------------------------------------------------------- reports
@@ -313,6 +332,7 @@ def write_reports(out: Path, data: dict, traces: dict) -> None:
     tp = data["throughput_tokens_per_s"]
     ks = [k for k in range(1, data["options"]["k_max"] + 1)]
     flat = lambda v: ([0, ks[-1]], [v, v])  # noqa: E731
+    steps = lambda name: list(range(1, len(traces[name]) + 1))  # noqa: E731
     plot_panels(out / "adaptive.png", f"adaptive speculation, long-tailed rollout ({data['machine']})", [
         ("rollout tokens/s (median)", {
             "fixed k": (ks, [tp[f"fixed k={k}"]["median"] for k in ks]),
@@ -320,18 +340,24 @@ def write_reports(out: Path, data: dict, traces: dict) -> None:
             "concurrency rule": flat(tp["concurrency"]["median"]),
             "bandit": flat(tp["bandit"]["median"])}),
         ("engine step ms (median) by live batch", cost_curve(traces)),
-        ("k chosen by live batch (last repeat)", {
-            name: ([r.live for r in traces[name]], [r.k for r in traces[name]]) for name in ("concurrency", "bandit")}),
-    ], xlabel="k  |  live batch  |  live batch", logx=False)
+        ("live batch per engine step", {name: (steps(name), [r.live for r in traces[name]])
+                                        for name in ("no draft", f"fixed k={ks[-1]}", "concurrency")}),
+        ("k per engine step (last round)", {name: (steps(name), [r.k for r in traces[name]])
+                                            for name in ("concurrency", "bandit")}),
+    ], xlabel="k (1st) | live batch (2nd) | engine step (3rd, 4th)")
     (out / "adaptive.md").write_text(markdown(data))
 
 
+def ratio(r: dict) -> str:
+    return f"**{r['median']:.2f}x** ({r['min']:.2f}..{r['max']:.2f})"
+
+
 def markdown(data: dict) -> str:
-    tp, cpu, e2e, h = (data["throughput_tokens_per_s"], data["throughput_tokens_per_cpu_s"], data["end_to_end"],
-                       data["headline"])
-    rows = "\n".join(f"| {name} | {v['median']:.0f} | {v['min']:.0f}..{v['max']:.0f} | {cpu[name]['median']:.0f} |"
-                     for name, v in tp.items())
-    hc = data["headline_cpu_time"]
+    tp, cpu, e2e, h, hc = (data["throughput_tokens_per_s"], data["throughput_tokens_per_cpu_s"], data["end_to_end"],
+                           data["headline"], data["headline_cpu_time"])
+    trace = data["trace_summary"]
+    rows = "\n".join(f"| {n} | {v['median']:.0f} | {v['min']:.0f}..{v['max']:.0f} | {cpu[n]['median']:.0f} | "
+                     f"{trace[n]['acceptance_length']:.2f} | {trace[n]['engine_steps']} |" for n, v in tp.items())
     e2e_rows = "\n".join(
         f"| {name} | {v['step_s']['median']:.2f} ({v['step_s']['min']:.2f}..{v['step_s']['max']:.2f}) | "
         f"{v['rollout_s']['median']:.2f} | {v['train_s']['median']:.2f} | {v['spot_steps']['median']:.1f} | "
@@ -340,34 +366,37 @@ def markdown(data: dict) -> str:
     return f"""# Adaptive speculation benchmark
 
 `{data['command']}`: one process, {data['seconds']:.0f} s wall, {data['cpu_seconds']:.0f} s CPU.
-Machine: {data['machine']}; load average {data['load_average_start']} at start, {data['load_average_end']} at end
-(the machine is shared: absolute numbers are only comparable within this run).
+Machine: {data['machine']}; load average (1, 5, 15 min) {data['load_average_start']} at start,
+{data['load_average_end']} at end: the machine was shared, so absolute numbers only compare within this run.
 
-Workload: {o['prompts']} prompts, greedy, per-request max_tokens ~ lognormal(median {o['median_tokens']},
-sigma {o['sigma']}) clipped to [4, {o['max_tokens']}] ({data['workload']['total_tokens']} tokens, longest
-{data['workload']['longest']}); policy: {data['policy']}; draft: EAGLE-3 trained {o['draft_steps']} TTT steps on the
-policy's greedy outputs (pass top-1 {data['draft_top1']}). Verify budget C = {data['verify_budget']}
-({data['verify_budget_source']}).
+Workload: {o['prompts']} prompts, greedy (every config generates the same tokens), per-request max_tokens ~
+lognormal(median {o['median_tokens']}, sigma {o['sigma']}) clipped to [4, {o['max_tokens']}]
+({data['workload']['total_tokens']} tokens, longest {data['workload']['longest']}). Policy: {data['policy']}.
+Draft: EAGLE-3 trained {o['draft_steps']} TTT steps on the policy's greedy outputs (top-1 agreement by pass
+{data['draft_top1']}). Verify budget C = {data['verify_budget']} ({data['verify_budget_source']}).
 
 ## Headline
 
-Adaptive vs best fixed k ({h['best_fixed']}): concurrency rule **{h['concurrency_vs_best_fixed']:.2f}x**,
-bandit **{h['bandit_vs_best_fixed']:.2f}x**; best fixed k vs no draft {h['best_fixed_vs_no_draft']:.2f}x.
+Ratios to the best fixed k ({h['best_fixed']}), median (min..max) of the per-round paired ratios:
+concurrency rule {ratio(h['concurrency_vs_best_fixed'])}, bandit {ratio(h['bandit_vs_best_fixed'])};
+best fixed k vs no draft {ratio(h['best_fixed_vs_no_draft'])}.
 Target (>= 1.1x of the best fixed k): {'met' if h['target_met'] else 'NOT met'}.
-Per CPU second of the process (less sensitive to other load on the machine): concurrency
-{hc['concurrency_vs_best_fixed']:.2f}x, bandit {hc['bandit_vs_best_fixed']:.2f}x of the best fixed k ({hc['best_fixed']}).
+Per process-CPU second: concurrency {ratio(hc['concurrency_vs_best_fixed'])}, bandit
+{ratio(hc['bandit_vs_best_fixed'])} of {hc['best_fixed']}.
 
-## Rollout throughput (generated tokens/s, {o['repeats']} interleaved repeats)
+## Rollout throughput ({o['repeats']} interleaved repeats, order rotated every round)
 
-| config | tokens/s median | spread (min..max) | tokens per CPU-s median |
-|---|---|---|---|
+| config | tokens/s median | spread (min..max) | tokens per CPU-s | acceptance length | engine steps |
+|---|---|---|---|---|---|
 {rows}
 
 ## End to end: GRPO-like steps (rollout + policy step + draft step + weight sync)
 
-Concurrency rule in both; {o['e2e_prompts']} prompts x {o['e2e_group']} samples, temperature {o['e2e_temperature']};
-spot training below {o['long_tail_threshold']} live sequences, at most {o['long_tail_max_steps']} draft steps per
-rollout, on the previous step's taps. Mean over steps 2..{o['e2e_steps']} of each run, median over runs.
+Concurrency rule in both; {o['e2e_prompts']} prompts x {o['e2e_group']} samples, temperature
+{o['e2e_temperature']}; spot training below {o['long_tail_threshold']} live sequences, at most
+{o['long_tail_max_steps']} draft steps per rollout, on the previous step's taps. The two modes alternate step by
+step from the same start; steps 2..{o['e2e_steps']} are timed (median, spread). With long tail / without, paired
+by step: {ratio(data['e2e_with_vs_without'])} step time.
 
 | | step s (spread) | rollout s | train s | spot steps | spot s | acceptance length |
 |---|---|---|---|---|---|---|
@@ -375,6 +404,15 @@ rollout, on the previous step's taps. Mean over steps 2..{o['e2e_steps']} of eac
 
 ![adaptive speculation](adaptive.png)
 """
+
+
+def trace_summary(traces: dict) -> dict:
+    out = {}
+    for name, trace in traces.items():
+        drafts = sum(r.drafts for r in trace)
+        out[name] = {"engine_steps": len(trace),
+                     "acceptance_length": 1 + sum(r.accepted for r in trace) / drafts if drafts else 1.0}
+    return out
 
 
 def ensure_draft(opts: BenchOptions, plain, policy, draft_dir: Path | None, work: Path):
@@ -396,13 +434,16 @@ def verify_budget(opts: BenchOptions, policy) -> tuple[int, str, dict | None]:
 
 
 def headline(throughput: dict) -> dict:
+    """Ratios to the best fixed k (by median): median and spread of the per-round (paired) ratios."""
     fixed = {n: v["median"] for n, v in throughput.items() if n.startswith("fixed")}
     best = max(fixed, key=fixed.get)
-    out = {"best_fixed": best,
-           "concurrency_vs_best_fixed": throughput["concurrency"]["median"] / fixed[best],
-           "bandit_vs_best_fixed": throughput["bandit"]["median"] / fixed[best],
-           "best_fixed_vs_no_draft": fixed[best] / throughput["no draft"]["median"]}
-    out["target_met"] = max(out["concurrency_vs_best_fixed"], out["bandit_vs_best_fixed"]) >= 1.1
+
+    def paired(a: str, b: str) -> dict:
+        return summarize([x / y for x, y in zip(throughput[a]["runs"], throughput[b]["runs"])])
+
+    out = {"best_fixed": best, "concurrency_vs_best_fixed": paired("concurrency", best),
+           "bandit_vs_best_fixed": paired("bandit", best), "best_fixed_vs_no_draft": paired(best, "no draft")}
+    out["target_met"] = max(out["concurrency_vs_best_fixed"]["median"], out["bandit_vs_best_fixed"]["median"]) >= 1.1
     return out
 
 
@@ -440,8 +481,14 @@ def main(overrides: list[str]) -> int:
             "draft_top1": top1, "verify_budget": budget, "verify_budget_source": source, "calibration": calibration,
             "workload": {"total_tokens": sum(lengths), "longest": max(lengths), "max_tokens": lengths},
             "throughput_tokens_per_s": throughput, "throughput_tokens_per_cpu_s": per_cpu_s,
-            "end_to_end": e2e, "headline": headline(throughput), "headline_cpu_time": headline(per_cpu_s),
+            "end_to_end": e2e, "e2e_with_vs_without": summarize(
+                [w / wo for w, wo in zip(e2e["with long tail"]["step_s"]["runs"],
+                                         e2e["without long tail"]["step_s"]["runs"])]),
+            "headline": headline(throughput), "headline_cpu_time": headline(per_cpu_s),
+            "trace_summary": trace_summary(traces),
             "traces": {n: [dataclasses.asdict(r) for r in t] for n, t in traces.items()}}
     write_reports(Path(opts.out), data, traces)
-    log(f"headline: {json.dumps(data['headline'])}; wrote {opts.out}/adaptive.{{json,md,png}}")
+    h = data["headline"]
+    log(f"vs best fixed ({h['best_fixed']}): concurrency {h['concurrency_vs_best_fixed']['median']:.2f}x, bandit "
+        f"{h['bandit_vs_best_fixed']['median']:.2f}x; wrote {opts.out}/adaptive.{{json,md,png}}")
     return 0
