@@ -7,11 +7,9 @@ rollout (no vLLM): loss, policy gradients, draft loss, draft metrics and draft g
 must equal the single-process ones to 1e-10.
 """
 import csv
-import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -109,8 +107,7 @@ def _plan_worker(rank, world, dp, cp):
         dist.all_reduce(t)
         return t
 
-    out = _step(plan, models, _batch(), reduce)
-    return {k: v for k, v in out.items()}
+    return _step(plan, models, _batch(), reduce)
 
 
 def _reference():
@@ -260,7 +257,8 @@ def _allgather_worker(rank, world):
     g = torch.Generator().manual_seed(rank)
     q, k, v, dout = (torch.randn(n, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4))
     out = {}
-    for name, ops in (("ring", ZigzagRingAttentionOps(dist.group.WORLD)), ("allgather", AllGatherKVOps(dist.group.WORLD))):
+    group = dist.group.WORLD
+    for name, ops in (("ring", ZigzagRingAttentionOps(group)), ("allgather", AllGatherKVOps(group))):
         o, lse = ops.forward(q, k, v, cu, cu, True)
         out[name] = (o, lse, *ops.backward(dout, q, k, v, o, lse, cu, cu, True))
     return out

@@ -10,9 +10,10 @@ Workloads, over total tokens T (a few long packed documents of unequal length, <
 
 Methods: `ring` (ours) at CP=1/2/4, and two baselines for `ttt`, in the same run:
 `dense` (one process: each pass as plain `scaled_dot_product_attention` with the dense staircase
-mask `[S, d*S]`, causal trunk plus one diagonal per earlier pass: O(S^2)) and `allgather` (every
-CP rank all-gathers the whole K/V, O(S), computes the same blocks without overlap, and sums
-dK/dV with an all-reduce). `dense` points whose scores would exceed `dense_max_gib` are skipped.
+mask `[S, d*S]`, causal trunk plus one diagonal per earlier pass: O(S^2)) and `allgather` at the
+largest CP (every rank all-gathers the whole K/V, O(S), computes the same blocks without overlap,
+and sums dK/dV with an all-reduce). `dense` points whose scores would exceed `dense_max_gib` are
+skipped.
 
 Memory, per rank: every CP size runs in fresh spawned processes (gloo, one thread each) with
 `MALLOC_MMAP_THRESHOLD_=65536`, so glibc serves every block >= 64 KiB with its own mmap and
@@ -192,8 +193,8 @@ def _step_batch(tokens: int):
     completions = []
     for i, n in enumerate(doc_lengths(tokens)):
         ids = torch.randint(4, POLICY["vocab_size"], (n,), generator=g).tolist()
-        completions.append(Completion(i, ids[:n // 4], ids[n // 4:], (-2 * torch.rand(n - n // 4, generator=g)).tolist(),
-                                      True))
+        logprobs = (-2 * torch.rand(n - n // 4, generator=g)).tolist()
+        completions.append(Completion(i, ids[:n // 4], ids[n // 4:], logprobs, True))
     return build_rollout_batch(completions, torch.randn(len(completions), generator=g))
 
 
@@ -239,7 +240,7 @@ def _sweep(rank: int, world: int, o: dict) -> list[dict]:
     def record(workload, method, t, point):
         rows.append({"workload": workload, "method": method, "cp": world, "tokens": t, **point})
 
-    methods = ["ring", "dense"] if world == 1 else ["ring", "allgather"]
+    methods = ["ring", "dense"] if world == 1 else ["ring", "allgather"] if world == max(o["cp_list"]) else ["ring"]
     for method in methods:
         _ttt_point(method, tokens[0], passes, rank, world)  # warm-up
         for t in tokens:
@@ -319,8 +320,9 @@ def merge_ranks(per_rank: list[list[dict]]) -> list[dict]:
 
 
 def series(rows: list[dict], workload: str, key: str) -> dict:
+    """`{label: (tokens, values)}`, ours first by CP, then the baselines (same colours in every panel)."""
     out = {}
-    for r in rows:
+    for r in sorted(rows, key=lambda r: (r["method"] != "ring", r["method"], r["cp"], r["tokens"])):
         if r["workload"] == workload and "skipped" not in r:
             label = f"{r['method']} cp={r['cp']}" if r["method"] != "dense" else "dense mask (cp=1)"
             xs, ys = out.setdefault(label, ([], []))
@@ -361,7 +363,7 @@ def write_report(out_dir: Path, o: dict, rows: list[dict], summary: dict, label:
               ("training step: peak MiB per rank", series(rows, "step", "peak_mib")),
               ("TTT attention: seconds", series(rows, "ttt", "seconds")),
               ("training step: seconds", series(rows, "step", "seconds"))]
-    plot_panels(out_dir / "cp.png", f"context parallel: activation memory and time vs total tokens (K={o['ttt_steps']})",
+    plot_panels(out_dir / "cp.png", f"context parallel: activation memory and time vs tokens (K={o['ttt_steps']})",
                 panels, xlabel="total tokens", logx=True, logy=True)
 
     def table(workload):
@@ -377,8 +379,9 @@ def write_report(out_dir: Path, o: dict, rows: list[dict], summary: dict, label:
             lines.append(f"| {t} | " + " | ".join(cells) + " |")
         return "\n".join(lines)
 
+    docs = ", ".join(f"{t}: {len(d)} ({min(d)}..{max(d)})" for t in o["token_list"] for d in [doc_lengths(t)])
     h = summary["headline"]
-    skipped = sorted({r["skipped"] for r in rows if "skipped" in r})
+    skipped = [f"{r['method']} at {r['tokens']} tokens ({r['skipped']})" for r in rows if "skipped" in r]
     ratio_lines = "\n".join(f"| {t} | {summary['ratios']['ttt'].get(t, float('nan')):.3f} | "
                             f"{summary['ratios']['step'].get(t, float('nan')):.3f} |" for t in o["token_list"])
     slope_lines = "\n".join(f"- {k}: **{v:.2f}**" for k, v in summary["slopes"].items())
@@ -387,8 +390,8 @@ def write_report(out_dir: Path, o: dict, rows: list[dict], summary: dict, label:
     (out_dir / "cp.md").write_text(f"""# Context parallel memory benchmark
 
 `spectrain bench cp {cli}` on {label}; {seconds / 60:.1f} min.
-Per-rank peak activation memory (MiB, max over ranks) / wall time (s) per point. Documents:
-{len(doc_lengths(o['token_list'][-1]))} at {o['token_list'][-1]} tokens, 4 below 4K tokens each (unequal lengths).
+Per-rank peak activation memory (MiB, max over ranks) / wall time (s) per point. Packed documents
+per point (count, shortest..longest): {docs}.
 Method and caveats: see the docstring of `spectrain/bench/cp.py` (fresh processes, mmap'd malloc,
 peak-RSS reset after setup; at CP=4 four processes share two cores, so times there are not speed-ups).
 
@@ -396,7 +399,7 @@ peak-RSS reset after setup; at CP=4 four processes share two cores, so times the
 
 {table("ttt")}
 
-## Training step (policy {POLICY['num_hidden_layers']} layers x hidden {POLICY['hidden_size']} + draft, K={o['ttt_steps']})
+## Training step (policy {POLICY['num_hidden_layers']} layers x {POLICY['hidden_size']} + draft, K={o['ttt_steps']})
 
 {table("step")}
 
