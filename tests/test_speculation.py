@@ -19,7 +19,6 @@ from spectrain.rollout.speculation import (
     accepted_tokens_per_second,
     buckets_by_verify_budget,
     calibrate_verify_budget,
-    measure_forward_time,
     vllm_dynamic_speculative_config,
 )
 
@@ -358,70 +357,54 @@ def smooth_knee(n: int) -> float:
     return 2e-4 + math.hypot(0.01, 1e-4 * n)
 
 
-def test_calibration_finds_knee_of_roofline():
+def affine(n: int) -> float:
+    """Synthetic CPU-like forward: a fixed per-step overhead plus a cost per token."""
+    return 0.01 + 1e-4 * n
+
+
+def test_calibration_finds_ridge_point_of_roofline_and_affine_cost():
     counts = [2 ** i for i in range(11)]  # 1..1024
-    res = calibrate_verify_budget(roofline, counts, threshold=0.1)
-    assert res.verify_budget == 128  # first power of two past the 100-token knee
-    assert res.plateau_reached
-    dense = calibrate_verify_budget(roofline, range(8, 1025, 8), threshold=0.1)
-    assert 96 <= dense.verify_budget <= 104  # 0.01/n <= 1.1e-4  =>  n >= 91
+    res = calibrate_verify_budget(roofline, counts)
+    assert res.verify_budget == 100  # floor 0.01 s / slope 1e-4 s per token
+    assert res.floor_s == pytest.approx(0.01) and res.slope_s_per_token == pytest.approx(1e-4)
+    assert res.compute_bound_reached
+    cpu_like = calibrate_verify_budget(affine, counts)
+    assert cpu_like.verify_budget == 101  # floor is the 1-token step: 0.0101 s
+    assert affine(cpu_like.verify_budget) == pytest.approx(2 * affine(1), rel=0.01)
 
 
-def test_calibration_smooth_curve_and_threshold():
-    counts = list(range(16, 2049, 16))
-    tight = calibrate_verify_budget(smooth_knee, counts, threshold=0.05)
-    loose = calibrate_verify_budget(smooth_knee, counts, threshold=0.3)
-    assert loose.verify_budget < tight.verify_budget
-    assert 100 <= loose.verify_budget <= 400 and tight.verify_budget <= 1000
+def test_calibration_smooth_curve():
+    res = calibrate_verify_budget(smooth_knee, list(range(16, 2049, 16)))
+    assert 100 <= res.verify_budget <= 106 and res.compute_bound_reached
 
 
 def test_calibration_unsorted_input_and_json(tmp_path):
-    res = calibrate_verify_budget(roofline, [512, 1, 64, 128, 8], threshold=0.1)
-    assert res.token_counts == [1, 8, 64, 128, 512]
+    res = calibrate_verify_budget(roofline, [512, 1, 64, 128, 1024, 8])
+    assert res.token_counts == [1, 8, 64, 128, 512, 1024]
     assert res.times_s == [roofline(n) for n in res.token_counts]
-    assert res.verify_budget == 128
+    assert res.verify_budget == 100
     path = res.save(tmp_path / "run" / "verify_budget.json")
     raw = json.loads(path.read_text())
-    assert raw["verify_budget"] == 128 and "compute-bound" in raw["definition"]
+    assert raw["verify_budget"] == 100 and "compute-bound" in raw["definition"]
     assert CalibrationResult.load(path) == res
 
 
 def test_calibration_flags_short_sweep():
-    res = calibrate_verify_budget(roofline, [1, 4, 16, 64], threshold=0.1)
-    assert res.verify_budget == 64 and not res.plateau_reached
+    res = calibrate_verify_budget(roofline, [1, 4, 16, 64, 128, 256])
+    assert not res.compute_bound_reached  # the fit starts at 64 < 2 C: partly in the flat part
+    with pytest.raises(ValueError, match="never reached the compute-bound regime"):
+        calibrate_verify_budget(roofline, [1, 4, 16, 64])
 
 
 def test_calibration_errors():
-    with pytest.raises(ValueError, match=">= 2 distinct"):
-        calibrate_verify_budget(roofline, [64])
+    with pytest.raises(ValueError, match=">= 3 distinct"):
+        calibrate_verify_budget(roofline, [64, 128])
     with pytest.raises(ValueError, match="token_counts entry must be >= 1"):
-        calibrate_verify_budget(roofline, [0, 64])
+        calibrate_verify_budget(roofline, [0, 64, 128])
     with pytest.raises(ValueError, match=r"measure\(8\) must be > 0.0"):
-        calibrate_verify_budget(lambda n: 0.0, [8, 16])
-
-
-def test_measure_forward_time_median_with_warmup():
-    """A fake clock: each call 'takes' roofline(n), plus a slow outlier the median drops."""
-    clock = [0.0]
-    calls = Counter()
-
-    def fn(n):
-        calls[n] += 1
-        clock[0] += roofline(n) * (50.0 if calls[n] == 3 else 1.0)
-
-    syncs = []
-    times = measure_forward_time(fn, [256, 16], repeats=5, warmup=2,
-                                 synchronize=lambda: syncs.append(1), timer=lambda: clock[0])
-    assert times == {16: pytest.approx(roofline(16)), 256: pytest.approx(roofline(256))}
-    assert calls == {16: 7, 256: 7}
-    assert len(syncs) == 2 * 5 * 2
-    res = calibrate_verify_budget(times.__getitem__, list(times))
-    assert res.verify_budget == 256
-
-
-def test_measure_forward_time_real_callable():
-    times = measure_forward_time(lambda n: sum(range(n)), [10, 1000], repeats=3)
-    assert set(times) == {10, 1000} and all(t > 0 for t in times.values())
+        calibrate_verify_budget(lambda n: 0.0, [8, 16, 32])
+    with pytest.raises(ValueError, match="fit_points must be >= 2"):
+        calibrate_verify_budget(roofline, [8, 16, 32], fit_points=1)
 
 
 # ------------------------------------------------------------------ long tail

@@ -65,8 +65,8 @@ def test_verify_budget_missing_calibration_names_the_command(tmp_path):
     with pytest.raises(ConfigError, match="spectrain calibrate"):
         load_verify_budget(config, tmp_path)
     (tmp_path / "calibration.json").write_text(json.dumps({
-        "verify_budget": 48, "threshold": 0.1, "token_counts": [1, 2], "times_s": [1.0, 1.0],
-        "per_token_s": [1.0, 0.5], "plateau_reached": False}))
+        "verify_budget": 48, "floor_s": 1.0, "slope_s_per_token": 0.02, "token_counts": [1, 2, 4],
+        "times_s": [1.0, 1.0, 1.0], "per_token_s": [1.0, 0.5, 0.25], "compute_bound_reached": False}))
     assert load_verify_budget(config, tmp_path) == 48
 
 
@@ -234,3 +234,25 @@ def test_build_controller_needs_a_runtime_k_engine(engine, tmp_path, monkeypatch
     monkeypatch.setattr(engine, "draft_dir", None)  # as if started without a draft
     with pytest.raises(RolloutEngineError, match="spec_schedule"):
         build_controller(config, engine, tmp_path)
+
+
+@pytest.mark.slow
+def test_decode_step_seconds_times_fixed_length_decoding(engine, monkeypatch):
+    """Calibration decodes `steps` tokens per sequence (min_tokens: no early EOS) at a fixed batch."""
+    from spectrain.rollout import adaptive
+    from spectrain.rollout.step_loop import generate_stepwise
+
+    engine.set_num_speculative_tokens(0)
+    traces = []
+
+    def recording(*args, **kwargs):
+        traces.append(generate_stepwise(*args, **kwargs))
+        return traces[-1]
+
+    monkeypatch.setattr("spectrain.rollout.step_loop.generate_stepwise", recording)
+    seconds = adaptive.decode_step_seconds(engine, batch=3, steps=4)
+    assert seconds > 0
+    result = traces[-1]
+    assert [len(c.token_ids) for c in result.completions] == [5, 5, 5]
+    decode = [r for r in result.trace if r.live == 3 and r.tokens == 3]
+    assert len(decode) >= 4  # every step after the prefill is a pure decode step of the whole batch

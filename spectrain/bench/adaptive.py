@@ -44,7 +44,7 @@ from spectrain.rollout.adaptive import (
     LongTailTrainer,
     SpecController,
     machine_label,
-    measure_verify_budget,
+    measure_engine_verify_budget,
 )
 from spectrain.rollout.base import Completion, SamplingConfig
 from spectrain.rollout.speculation import (
@@ -54,30 +54,31 @@ from spectrain.rollout.speculation import (
     SpecArm,
     buckets_by_verify_budget,
 )
-from spectrain.rollout.step_loop import StepLoopResult, generate_stepwise
+from spectrain.rollout.step_loop import StepLoopResult, StepRecord, generate_stepwise
 from spectrain.rollout.vllm_engine import VLLMRolloutEngine
 
 
 @dataclass
 class BenchOptions:
     out: str = "docs/benchmarks"
+    threads: int = 0  # torch/vLLM CPU threads; 0 = torch's default (all cores). 1 is far steadier on a shared machine
     run_dir: str = ""  # use <run_dir>/final/{policy,draft} instead of the built-in tiny pair
     seed: int = 0
-    hidden: int = 256
-    layers: int = 4
+    hidden: int = 512  # deep enough that a target step costs several draft passes, as with real LLMs
+    layers: int = 16
     logit_scale: float = 10.0
     embed_scale: float = 10.0
-    prompts: int = 32
+    prompts: int = 48
     median_tokens: float = 12.0  # lognormal per-request max_tokens: median, sigma, clipped to [4, max_tokens]
     sigma: float = 1.0
     max_tokens: int = 64
     k_max: int = 5
-    repeats: int = 7  # throughput rounds (short rollouts: many interleaved rounds beat a noisy machine)
-    draft_steps: int = 80
+    repeats: int = 5  # throughput rounds (short rollouts: many interleaved rounds beat a noisy machine)
+    draft_steps: int = 150
     draft_batch: int = 8
     draft_len: int = 40  # tokens per training sequence (greedy outputs of the policy)
     ttt_steps: int = 3  # TTT passes when training the draft (it still proposes up to k_max)
-    bandit_arms: str = "1,2,3,4,5"
+    bandit_arms: str = "0,1,2,3,5"
     bandit_edges: str = "4,16,64"
     verify_budget: int = 0  # 0: calibrate here with the `spectrain calibrate` procedure
     e2e_prompts: int = 8
@@ -326,8 +327,9 @@ def cost_curve(traces: dict) -> dict[str, tuple[list[int], list[float]]]:
     return curves
 
 
-def write_reports(out: Path, data: dict, traces: dict) -> None:
+def write_reports(out: Path, data: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    traces = {n: [StepRecord(**r) for r in t] for n, t in data["traces"].items()}
     (out / "adaptive.json").write_text(json.dumps(data, indent=2) + "\n")
     tp = data["throughput_tokens_per_s"]
     ks = [k for k in range(1, data["options"]["k_max"] + 1)]
@@ -366,7 +368,7 @@ def markdown(data: dict) -> str:
     return f"""# Adaptive speculation benchmark
 
 `{data['command']}`: one process, {data['seconds']:.0f} s wall, {data['cpu_seconds']:.0f} s CPU.
-Machine: {data['machine']}; load average (1, 5, 15 min) {data['load_average_start']} at start,
+Machine: {data['machine']}, {data['threads']} torch threads; load average (1, 5, 15 min) {data['load_average_start']} at start,
 {data['load_average_end']} at end: the machine was shared, so absolute numbers only compare within this run.
 
 Workload: {o['prompts']} prompts, greedy (every config generates the same tokens), per-request max_tokens ~
@@ -425,12 +427,12 @@ def ensure_draft(opts: BenchOptions, plain, policy, draft_dir: Path | None, work
     return export_draft(draft, work / "draft", policy.cfg), top1
 
 
-def verify_budget(opts: BenchOptions, policy) -> tuple[int, str, dict | None]:
+def verify_budget(opts: BenchOptions, plain) -> tuple[int, str, dict | None]:
     if opts.verify_budget:
         return opts.verify_budget, "given", None
-    with torch.inference_mode():
-        result = measure_verify_budget(policy, opts.k_max + 1)
-    return result.verify_budget, "calibrated here as `spectrain calibrate` does (target forward knee)", result.to_dict()
+    result = measure_engine_verify_budget(plain)
+    return (result.verify_budget, "calibrated here as `spectrain calibrate` does (ridge point of the plain "
+            "engine's decode step time vs batch)", result.to_dict())
 
 
 def headline(throughput: dict) -> dict:
@@ -450,8 +452,20 @@ def headline(throughput: dict) -> dict:
 def main(overrides: list[str]) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     opts = parse_options(overrides)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)  # before vLLM starts: it pins the count afterwards
+    with tempfile.TemporaryDirectory(prefix="spectrain_bench_adaptive_") as work:
+        data = run(opts, Path(work))
+    data["command"] = "spectrain bench adaptive " + " ".join(overrides)
+    write_reports(Path(opts.out), data)
+    h = data["headline"]
+    log(f"vs best fixed ({h['best_fixed']}): concurrency {h['concurrency_vs_best_fixed']['median']:.2f}x, bandit "
+        f"{h['bandit_vs_best_fixed']['median']:.2f}x; wrote {opts.out}/adaptive.{{json,md,png}}")
+    return 0
+
+
+def run(opts: BenchOptions, work: Path) -> dict:
     started, cpu_started, load_start = time.perf_counter(), time.process_time(), os.getloadavg()
-    work = Path(tempfile.mkdtemp(prefix="spectrain_bench_adaptive_"))
     policy_dir, draft_dir, policy = prepare_models(opts, work)
     # Two in-process engines share vLLM's global parallel state: shutting one down breaks the
     # other, so both live until the end.
@@ -460,7 +474,7 @@ def main(overrides: list[str]) -> int:
         draft_dir, top1 = ensure_draft(opts, plain, policy, draft_dir, work)
         spec = VLLMRolloutEngine(policy_dir, draft_dir, num_speculative_tokens=opts.k_max,
                                  spec_schedule=[(1, 1, opts.k_max)], max_model_len=256, seed=opts.seed)
-        budget, source, calibration = verify_budget(opts, policy)
+        budget, source, calibration = verify_budget(opts, plain)
         log(f"verify budget C = {budget} ({source})")
         prompts = random_prompts(opts.prompts, opts.seed + 2)
         lengths = long_tailed_lengths(opts, opts.prompts, opts.seed + 2)
@@ -471,7 +485,7 @@ def main(overrides: list[str]) -> int:
     finally:
         for engine in filter(None, (spec, plain)):
             engine.shutdown()
-    data = {"command": "spectrain bench adaptive " + " ".join(overrides), "machine": machine_label(),
+    return {"machine": machine_label(), "threads": torch.get_num_threads(),
             "load_average_start": [round(x, 1) for x in load_start],
             "load_average_end": [round(x, 1) for x in os.getloadavg()],
             "seconds": time.perf_counter() - started, "cpu_seconds": time.process_time() - cpu_started,
@@ -487,8 +501,3 @@ def main(overrides: list[str]) -> int:
             "headline": headline(throughput), "headline_cpu_time": headline(per_cpu_s),
             "trace_summary": trace_summary(traces),
             "traces": {n: [dataclasses.asdict(r) for r in t] for n, t in traces.items()}}
-    write_reports(Path(opts.out), data, traces)
-    h = data["headline"]
-    log(f"vs best fixed ({h['best_fixed']}): concurrency {h['concurrency_vs_best_fixed']['median']:.2f}x, bandit "
-        f"{h['bandit_vs_best_fixed']['median']:.2f}x; wrote {opts.out}/adaptive.{{json,md,png}}")
-    return 0

@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 import os
 import platform
+import statistics
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -33,7 +35,6 @@ from spectrain.rollout.speculation import (
     accepted_tokens_per_second,
     buckets_by_verify_budget,
     calibrate_verify_budget,
-    measure_forward_time,
 )
 from spectrain.rollout.step_loop import StepRecord
 
@@ -229,50 +230,73 @@ def build_controller(config: SpecTrainConfig, engine, run_dir: str | Path) -> Sp
 
 
 # ------------------------------------------------------------------------ calibration
-def verify_forward(policy, n: int, chunk: int) -> None:
-    """One target forward over `n` tokens laid out like a verify step: documents of `k + 1` tokens."""
-    lengths = [chunk] * (n // chunk) + ([n % chunk] if n % chunk else [])
-    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    position_ids = torch.cat([torch.arange(length) for length in lengths])
-    input_ids = torch.randint(0, policy.cfg.vocab_size, (n,))
-    policy(input_ids, position_ids, cu)
+CALIBRATION_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
-def calibration_policy(config: SpecTrainConfig):
-    """The warm-started policy of the run if there is one, else one built as the trainer would."""
-    from spectrain.models.hf_io import load_pretrained
+def decode_step_seconds(engine, batch: int, steps: int = 8) -> float:
+    """Median seconds of one plain decode step of `batch` sequences: `batch` tokens per target forward.
+
+    Measured in the live vLLM engine, so the vLLM per-step overhead the rollout pays is in it.
+    """
+    from spectrain.rollout.base import SamplingConfig
+    from spectrain.rollout.step_loop import generate_stepwise
+
+    vocab = engine.llm.llm_engine.model_config.get_vocab_size()
+    prompts = [[1] + [4 + (i * 7 + j) % (vocab - 4) for j in range(8)] for i in range(batch)]
+    sampling = SamplingConfig(max_tokens=steps + 1, min_tokens=steps + 1, temperature=0.0)
+    trace = generate_stepwise(engine, prompts, sampling).trace
+    decode = [r.seconds for r in trace if r.live == batch and r.tokens == batch]
+    assert decode, f"no pure decode step of {batch} sequences in the trace: {trace}"
+    return statistics.median(decode)
+
+
+def measure_engine_verify_budget(engine, batches=CALIBRATION_BATCHES, steps: int = 8) -> CalibrationResult:
+    """`C` for the engine's policy on this machine: plain decode steps at growing batch sizes.
+
+    The engine must decode without a draft (or with `k=0`): each step's target forward then
+    holds exactly `batch` tokens, the same cost a verify step of `batch * (k + 1)` tokens pays.
+    """
+    batches = [b for b in batches if b <= engine.max_num_seqs]
+    decode_step_seconds(engine, batches[0], steps=2)  # warm-up: first steps allocate and compile
+    times = {b: decode_step_seconds(engine, b, steps) for b in batches}
+    result = calibrate_verify_budget(times.__getitem__, batches)
+    result.meta = {"machine": machine_label(), "torch_threads": torch.get_num_threads(),
+                   "decode_steps_per_point": steps}
+    return result
+
+
+def calibration_policy_dir(config: SpecTrainConfig, work: Path) -> tuple[Path, str]:
+    """The run's warm-started policy if there is one, else one built as the trainer would, saved in `work`."""
+    from spectrain.models.hf_io import save_pretrained
     from spectrain.trainer import SpecTrainer
 
     cached = Path(config.trainer.run_dir) / "warmstart" / "policy"
     if (cached / "config.json").is_file():
-        return load_pretrained(cached), str(cached)
+        return cached, str(cached)
     trainer = SpecTrainer(config)
     trainer.tokenizer = trainer.build_tokenizer()
-    return trainer.build_policy(), "built from the recipe (random weights: only the shapes matter)"
-
-
-def measure_verify_budget(policy, chunk: int, token_counts: list[int] | None = None,
-                          repeats: int = 5) -> CalibrationResult:
-    """`C` of `policy` on this machine: time verify-shaped forwards of 1..2048 tokens, find the knee."""
-    counts = token_counts or [2 ** i for i in range(12)]
-    times = measure_forward_time(lambda n: verify_forward(policy, n, chunk), counts, repeats=repeats)
-    result = calibrate_verify_budget(times.__getitem__, counts)
-    result.meta = {"tokens_per_document": chunk, "machine": machine_label(), "torch_threads": torch.get_num_threads()}
-    return result
+    save_pretrained(trainer.build_policy(), work / "policy", tokenizer=trainer.tokenizer)
+    return work / "policy", "built from the recipe (random weights: only the shapes matter)"
 
 
 def calibrate(config: SpecTrainConfig) -> tuple[CalibrationResult, Path]:
-    """Measure `C` for the run's policy and write `<run_dir>/calibration.json`.
+    """Measure `C` for the run's policy in a plain vLLM engine and write `<run_dir>/calibration.json`.
 
     The run directory is created (or checked) the way `spectrain fit` does, so the run can
     then be started in it with the same recipe and overrides.
     """
+    from spectrain.rollout.vllm_engine import VLLMRolloutEngine
     from spectrain.trainer import SpecTrainer
 
     SpecTrainer(config).prepare_run_dir()
-    policy, source = calibration_policy(config)
-    with torch.inference_mode():
-        result = measure_verify_budget(policy.eval(), config.draft.num_speculative_tokens + 1)
+    with tempfile.TemporaryDirectory(prefix="spectrain_calibrate_") as work:
+        policy_dir, source = calibration_policy_dir(config, Path(work))
+        engine = VLLMRolloutEngine(policy_dir, None, max_model_len=config.rollout.max_model_len,
+                                   kv_cache_gib=config.rollout.kv_cache_gib, seed=config.trainer.seed)
+        try:
+            result = measure_engine_verify_budget(engine)
+        finally:
+            engine.shutdown()
     result.meta["policy"] = source
     return result, result.save(Path(config.trainer.run_dir) / CALIBRATION_FILE)
 

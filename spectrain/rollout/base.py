@@ -14,6 +14,7 @@ class SamplingConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    min_tokens: int = 0  # no EOS before this many tokens (calibration: fixed-length decoding)
 
 
 @dataclass

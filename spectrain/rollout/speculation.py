@@ -9,7 +9,7 @@ feeds back what it measured.
   ``num_speculative_tokens_per_batch_size``.
 - :class:`BanditSelector` (TLT BEG-MAB): learns online which speculation config gives the most
   accepted tokens per second in each batch-size bucket (epsilon-greedy on windowed medians).
-- :func:`calibrate_verify_budget` / :func:`measure_forward_time`: find ``C`` on this machine.
+- :func:`calibrate_verify_budget`: find ``C`` from measured forward times.
 - :class:`LongTailPolicy`: says when the rollout's long tail leaves capacity idle for spot
   draft training.
 """
@@ -21,7 +21,6 @@ import json
 import math
 import random
 import statistics
-import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -39,7 +38,6 @@ __all__ = [
     "accepted_tokens_per_second",
     "CalibrationResult",
     "calibrate_verify_budget",
-    "measure_forward_time",
     "LongTailPolicy",
 ]
 
@@ -509,9 +507,10 @@ class BanditSelector:
 
 
 CALIBRATION_DEFINITION = (
-    "verify_budget = the smallest measured tokens-per-step whose time per token is within "
-    "`threshold` (relative) of the lowest time per token in the sweep: below it the forward is "
-    "memory/overhead-bound (time per token still falls as tokens grow), from it on compute-bound."
+    "verify_budget = the ridge point floor / slope: `floor` is the fastest measured step (the "
+    "fixed, memory- or overhead-bound cost every forward pays), `slope` the cost of one more token "
+    "fitted over the largest `fit_points` counts (the compute-bound regime). Below C tokens a step "
+    "costs less than twice the floor, so verifying extra tokens there is nearly free."
 )
 
 
@@ -520,11 +519,12 @@ class CalibrationResult:
     """Outcome of :func:`calibrate_verify_budget`, with the raw measurements."""
 
     verify_budget: int
-    threshold: float
+    floor_s: float
+    slope_s_per_token: float
     token_counts: list[int]
     times_s: list[float]
     per_token_s: list[float]
-    plateau_reached: bool  # False: the knee is the last point, extend token_counts
+    compute_bound_reached: bool  # False: the sweep stops before 2 C, so the slope may be too low
     definition: str = CALIBRATION_DEFINITION
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -551,10 +551,10 @@ def _check_token_counts(token_counts: Iterable[int]) -> list[int]:
     counts = list(token_counts)
     for n in counts:
         _check_int("token_counts entry", n, 1)
-    if len(counts) < 2 or len(set(counts)) != len(counts):
+    if len(counts) < 3 or len(set(counts)) != len(counts):
         raise ValueError(
-            f"token_counts needs >= 2 distinct positive counts, got {counts}; "
-            "e.g. powers of two from 1 to well past the expected knee."
+            f"token_counts needs >= 3 distinct positive counts, got {counts}; "
+            "e.g. powers of two from 1 to well past the expected budget."
         )
     return sorted(counts)
 
@@ -562,65 +562,41 @@ def _check_token_counts(token_counts: Iterable[int]) -> list[int]:
 def calibrate_verify_budget(
     measure: Callable[[int], float],
     token_counts: Iterable[int],
-    threshold: float = 0.1,
+    fit_points: int = 3,
 ) -> CalibrationResult:
     """Find ``C``, the tokens per target forward where the forward turns compute-bound.
 
     ``measure(n)`` returns seconds for one target forward over ``n`` tokens (``n = batch *
-    (k + 1)`` during verification). See ``CALIBRATION_DEFINITION``; the sweep must reach well
-    into the compute-bound regime, since the threshold is relative to its best point.
+    (k + 1)`` during verification). The ridge point ``floor / slope`` is where the two
+    asymptotes of the cost meet: a roofline ``max(floor, slope * n)`` (memory and compute
+    overlap, as on GPUs) and an affine ``floor + slope * n`` (a fixed per-step overhead, as
+    on CPUs) both give it. See ``CALIBRATION_DEFINITION``.
     """
-    threshold = _check_float("threshold", threshold, lo=0.0, lo_open=False)
     counts = _check_token_counts(token_counts)
+    fit_points = _check_int("fit_points", fit_points, 2)
     times = []
     for n in counts:
         t = measure(n)
         _check_float(f"measure({n})", t, lo=0.0, lo_open=True, hint=" It must return seconds.")
         times.append(float(t))
-    per_token = [t / n for t, n in zip(times, counts)]
-    best = min(per_token)
-    knee = next(i for i, p in enumerate(per_token) if p <= best * (1.0 + threshold))
+    floor = min(times)
+    xs, ys = counts[-fit_points:], times[-fit_points:]
+    x_mean, y_mean = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - x_mean) * (y - y_mean) for x, y in zip(xs, ys)) / sum((x - x_mean) ** 2 for x in xs)
+    if slope <= 0:
+        raise ValueError(
+            f"the forward's time does not grow over the largest counts {xs} (times {ys}): the sweep never "
+            "reached the compute-bound regime. Extend token_counts to larger counts.")
+    budget = max(1, round(floor / slope))
     return CalibrationResult(
-        verify_budget=counts[knee],
-        threshold=threshold,
+        verify_budget=budget,
+        floor_s=floor,
+        slope_s_per_token=slope,
         token_counts=counts,
         times_s=times,
-        per_token_s=per_token,
-        plateau_reached=knee < len(counts) - 1,
+        per_token_s=[t / n for t, n in zip(times, counts)],
+        compute_bound_reached=counts[-fit_points] >= 2 * budget,
     )
-
-
-def measure_forward_time(
-    model_fn: Callable[[int], Any],
-    token_counts: Iterable[int],
-    repeats: int = 5,
-    warmup: int = 1,
-    synchronize: Callable[[], None] | None = None,
-    timer: Callable[[], float] = time.perf_counter,
-) -> dict[int, float]:
-    """Median seconds of ``model_fn(n)`` per token count ``n`` (after ``warmup`` untimed calls).
-
-    ``model_fn(n)`` runs one target forward over ``n`` tokens. On GPU pass
-    ``synchronize=torch.cuda.synchronize`` so queued kernels are timed too. Use as
-    ``calibrate_verify_budget(measure_forward_time(fn, counts).__getitem__, counts)``.
-    """
-    counts = _check_token_counts(token_counts)
-    _check_int("repeats", repeats, 1)
-    _check_int("warmup", warmup, 0)
-    sync = synchronize or (lambda: None)
-    out: dict[int, float] = {}
-    for n in counts:
-        for _ in range(warmup):
-            model_fn(n)
-        samples = []
-        for _ in range(repeats):
-            sync()
-            start = timer()
-            model_fn(n)
-            sync()
-            samples.append(timer() - start)
-        out[n] = statistics.median(samples)
-    return out
 
 
 # -------------------------------------------------------------------- long tail

@@ -9,6 +9,7 @@ silently mix two policies in one rollout.
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -30,6 +31,21 @@ def _prepare_environment(kv_cache_gib: float) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gib)))))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+class _QuietReloadFilter(logging.Filter):
+    """Drops vLLM's "<Layer>: Failed to load weights" from in-place reloads of a live engine.
+
+    Every sync logs it for the rotary and embedding layers, whose tensors (computed buffers, an
+    embedding the drafter shares) are not in what we send. That the engine serves exactly the
+    trainer's weights after a sync is tested (tests/test_engine.py), so the lines are noise.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Failed to load weights" not in record.getMessage()
+
+
+_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
 
 def _reload_drafter(worker, items: list[tuple[str, torch.Tensor]]) -> None:
@@ -85,6 +101,9 @@ class VLLMRolloutEngine:
 
             started = time.perf_counter()
             self.llm = LLM(**kwargs)
+            reload_logger = logging.getLogger(_RELOAD_LOGGER)
+            if not any(isinstance(f, _QuietReloadFilter) for f in reload_logger.filters):
+                reload_logger.addFilter(_QuietReloadFilter())
             self.startup_seconds = time.perf_counter() - started
         except Exception as exc:
             raise RolloutEngineError(
@@ -114,7 +133,7 @@ class VLLMRolloutEngine:
 
         return SamplingParams(n=sampling.n, max_tokens=self.max_tokens_for(prompt_len, sampling.max_tokens),
                               temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
-                              logprobs=0)
+                              min_tokens=sampling.min_tokens, logprobs=0)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
         """`sampling.n` completions per prompt, grouped by prompt in order."""
