@@ -74,9 +74,9 @@ class BenchOptions:
     max_tokens: int = 64
     k_max: int = 5
     repeats: int = 5  # throughput rounds (short rollouts: many interleaved rounds beat a noisy machine)
-    draft_steps: int = 150
-    draft_batch: int = 8
-    draft_len: int = 40  # tokens per training sequence (greedy outputs of the policy)
+    draft_steps: int = 120
+    draft_batch: int = 4
+    draft_len: int = 72  # tokens per training sequence (greedy outputs of the policy): cover every position the rollout reaches
     ttt_steps: int = 3  # TTT passes when training the draft (it still proposes up to k_max)
     bandit_arms: str = "0,1,2,3,5"
     bandit_edges: str = "4,16,64"
