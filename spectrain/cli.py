@@ -47,7 +47,7 @@ def _calibrate(args) -> int:
         return 2
     for n, t, per in zip(result.token_counts, result.times_s, result.per_token_s):
         print(f"  {n:5d} tokens/step  {1e3 * t:8.2f} ms  {1e6 * per:8.1f} us/token")
-    note = "" if result.compute_bound_reached else " (the sweep ends before 2 C: the slope, and so C, may be off)"
+    note = "" if result.compute_bound_reached else " (the fitted counts start below C: extend the sweep; the slope, and so C, may be off)"
     print(f"verify budget C = {result.verify_budget} tokens per target forward{note}; written to {path}")
     return 0
 

@@ -10,6 +10,7 @@ import importlib
 import json
 import random
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -213,7 +214,11 @@ class SpecTrainer:
             loader = DataLoader(PromptStream(self.source, self.config.rollout.prompts_per_step,
                                              self.config.trainer.seed, start_step),
                                 batch_size=None, collate_fn=lambda x: x)
-            self.trainer.fit(self.module, train_dataloaders=loader, ckpt_path=resume_ckpt)
+            with warnings.catch_warnings():
+                # Lightning warns that manual-optimisation checkpoints hold the weights *after* the
+                # step; that is what resuming from step N needs, so the warning is noise here.
+                warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
+                self.trainer.fit(self.module, train_dataloaders=loader, ckpt_path=resume_ckpt)
             self.sync_final_weights()
             final_eval = self.evaluate(eval_examples)
             if self.is_rank_zero:

@@ -391,7 +391,7 @@ def test_calibration_unsorted_input_and_json(tmp_path):
 
 def test_calibration_flags_short_sweep():
     res = calibrate_verify_budget(roofline, [1, 4, 16, 64, 128, 256])
-    assert not res.compute_bound_reached  # the fit starts at 64 < 2 C: partly in the flat part
+    assert res.verify_budget > 100 and not res.compute_bound_reached  # the fit starts at 64 < C, in the flat part
     with pytest.raises(ValueError, match="never reached the compute-bound regime"):
         calibrate_verify_budget(roofline, [1, 4, 16, 64])
 

@@ -230,7 +230,7 @@ def build_controller(config: SpecTrainConfig, engine, run_dir: str | Path) -> Sp
 
 
 # ------------------------------------------------------------------------ calibration
-CALIBRATION_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
+CALIBRATION_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # capped at the engine's max_num_seqs
 
 
 def decode_step_seconds(engine, batch: int, steps: int = 8) -> float:

@@ -524,7 +524,7 @@ class CalibrationResult:
     token_counts: list[int]
     times_s: list[float]
     per_token_s: list[float]
-    compute_bound_reached: bool  # False: the sweep stops before 2 C, so the slope may be too low
+    compute_bound_reached: bool  # False: some fitted counts lie below C, so the slope may be too low
     definition: str = CALIBRATION_DEFINITION
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -595,7 +595,7 @@ def calibrate_verify_budget(
         token_counts=counts,
         times_s=times,
         per_token_s=[t / n for t, n in zip(times, counts)],
-        compute_bound_reached=counts[-fit_points] >= 2 * budget,
+        compute_bound_reached=counts[-fit_points] >= budget,
     )
 
 
