@@ -256,3 +256,23 @@ def test_decode_step_seconds_times_fixed_length_decoding(engine, monkeypatch):
     assert [len(c.token_ids) for c in result.completions] == [5, 5, 5]
     decode = [r for r in result.trace if r.live == 3 and r.tokens == 3]
     assert len(decode) >= 4  # every step after the prefill is a pure decode step of the whole batch
+
+
+def test_bench_headroom_picks_the_cheapest_k_per_live_bucket():
+    """k=0 is cheapest per token with many live sequences, k=3 with few: the oracle mixes them."""
+    from spectrain.bench.adaptive import headroom, live_bucket
+
+    prefill = StepRecord(40, 0, 0, 0, 0, 1.0, 40)  # first step of every trace: skipped
+    traces = {
+        "no draft": [prefill, StepRecord(40, 0, 0, 0, 0, 0.001, 40)],  # another engine: ignored
+        "fixed k=1": [prefill, StepRecord(40, 1, 40, 40, 40, 0.8, 80), StepRecord(2, 1, 2, 2, 2, 0.4, 4)],
+        "fixed k=3": [prefill, StepRecord(40, 3, 40, 120, 80, 2.4, 120), StepRecord(2, 3, 2, 6, 4, 0.3, 6)],
+        "concurrency": [prefill, StepRecord(40, 0, 0, 0, 0, 0.4, 40)],
+    }
+    room = headroom(traces, "fixed k=1")
+    assert live_bucket(40) == "33+" and live_bucket(2) == "1-2" and live_bucket(3) == "3-4"
+    assert room["tokens_by_bucket"] == {"33+": 80, "1-2": 4}
+    assert room["ms_per_token"]["33+"] == pytest.approx({"0": 10.0, "1": 10.0, "3": 20.0})
+    assert room["ms_per_token"]["1-2"] == pytest.approx({"1": 100.0, "3": 50.0})
+    # fixed k=1: 80 x 10 + 4 x 100 = 1200 ms; oracle: 80 x 10 + 4 x 50 = 1000 ms
+    assert room["oracle_vs_best_fixed"] == pytest.approx(1.2)

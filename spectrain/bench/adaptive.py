@@ -327,9 +327,47 @@ def cost_curve(traces: dict) -> dict[str, tuple[list[int], list[float]]]:
     return curves
 
 
+LIVE_BUCKET_EDGES = (2, 4, 8, 16, 32)  # upper edges of the live-batch buckets; the last is open
+
+
+def live_bucket(live: int) -> str:
+    lo = 1
+    for hi in LIVE_BUCKET_EDGES:
+        if live <= hi:
+            return f"{lo}-{hi}"
+        lo = hi + 1
+    return f"{lo}+"
+
+
+def headroom(traces: dict[str, list[StepRecord]], best_fixed: str) -> dict:
+    """What any per-batch choice of `k` could gain on this engine and workload.
+
+    For each live-batch bucket, the `k` with the fewest measured seconds per generated token
+    (all speculative traces pooled, each step filed under the `k` it proposed), applied to the
+    best fixed config's tokens per bucket. An estimate: a step verifies the previous step's `k`.
+    """
+    cost: dict[str, dict[int, list[float]]] = {}  # bucket -> k -> [seconds, tokens]
+    for name, trace in traces.items():
+        for r in trace[1:] if name != "no draft" else ():  # the first step is the prefill
+            total = cost.setdefault(live_bucket(r.live), {}).setdefault(r.k, [0.0, 0])
+            total[0] += r.seconds
+            total[1] += r.tokens
+    per_token = {b: {k: s / n for k, (s, n) in ks.items() if n} for b, ks in cost.items()}
+    tokens: dict[str, int] = {}
+    for r in traces[best_fixed][1:]:
+        tokens[live_bucket(r.live)] = tokens.get(live_bucket(r.live), 0) + r.tokens
+    fixed_k = int(best_fixed.split("=")[1])
+    fixed_s = sum(n * per_token[b][fixed_k] for b, n in tokens.items())
+    oracle_s = sum(n * min(per_token[b].values()) for b, n in tokens.items())
+    return {"oracle_vs_best_fixed": fixed_s / oracle_s, "tokens_by_bucket": tokens,
+            "ms_per_token": {b: {str(k): 1e3 * v for k, v in sorted(ks.items())} for b, ks in per_token.items()}}
+
+
 def write_reports(out: Path, data: dict) -> None:
+    """adaptive.{json,md,png} from a run's data (also re-renders an old run's JSON)."""
     out.mkdir(parents=True, exist_ok=True)
     traces = {n: [StepRecord(**r) for r in t] for n, t in data["traces"].items()}
+    data = {**data, "headroom": headroom(traces, data["headline"]["best_fixed"])}
     (out / "adaptive.json").write_text(json.dumps(data, indent=2) + "\n")
     tp = data["throughput_tokens_per_s"]
     ks = [k for k in range(1, data["options"]["k_max"] + 1)]
@@ -365,6 +403,12 @@ def markdown(data: dict) -> str:
         f"{v['rollout_s']['median']:.2f} | {v['train_s']['median']:.2f} | {v['spot_steps']['median']:.1f} | "
         f"{v['spot_s']['median']:.2f} | {v['acceptance_length']['median']:.2f} |" for name, v in e2e.items())
     o = data["options"]
+    room = data["headroom"]
+    ks = sorted({int(k) for per_k in room["ms_per_token"].values() for k in per_k})
+    room_rows = "\n".join(
+        f"| {b} | {room['tokens_by_bucket'].get(b, 0)} | "
+        + " | ".join(f"{per_k[str(k)]:.1f}" if str(k) in per_k else "-" for k in ks) + " |"
+        for b, per_k in sorted(room["ms_per_token"].items(), key=lambda item: int(item[0].rstrip("+").split("-")[0])))
     return f"""# Adaptive speculation benchmark
 
 `{data['command']}`: one process, {data['seconds']:.0f} s wall, {data['cpu_seconds']:.0f} s CPU.
@@ -385,6 +429,15 @@ best fixed k vs no draft {ratio(h['best_fixed_vs_no_draft'])}.
 Target (>= 1.1x of the best fixed k): {'met' if h['target_met'] else 'NOT met'}.
 Per process-CPU second: concurrency {ratio(hc['concurrency_vs_best_fixed'])}, bandit
 {ratio(hc['bandit_vs_best_fixed'])} of {hc['best_fixed']}.
+
+Headroom: an oracle that picks, in each live-batch bucket, the k with the fewest measured ms per
+generated token would be **{room['oracle_vs_best_fixed']:.2f}x** the best fixed k on this workload
+(estimated from the traces below: every speculative step pooled under the k it proposed, weighted by
+{h['best_fixed']}'s tokens per bucket). By this estimate no per-batch choice of k gains more than that here.
+
+| live batch | tokens ({h['best_fixed']}) | {' | '.join(f'ms/token k={k}' for k in ks)} |
+|---|---|{'---|' * len(ks)}
+{room_rows}
 
 ## Rollout throughput ({o['repeats']} interleaved repeats, order rotated every round)
 
