@@ -237,7 +237,7 @@ def test_build_controller_needs_a_runtime_k_engine(engine, tmp_path, monkeypatch
 
 
 @pytest.mark.slow
-def test_decode_step_seconds_times_fixed_length_decoding(engine, monkeypatch):
+def test_decode_step_times_fixed_length_decoding(engine, monkeypatch):
     """Calibration decodes `steps` tokens per sequence (min_tokens: no early EOS) at a fixed batch."""
     from spectrain.rollout import adaptive
     from spectrain.rollout.step_loop import generate_stepwise
@@ -250,8 +250,8 @@ def test_decode_step_seconds_times_fixed_length_decoding(engine, monkeypatch):
         return traces[-1]
 
     monkeypatch.setattr("spectrain.rollout.step_loop.generate_stepwise", recording)
-    seconds = adaptive.decode_step_seconds(engine, batch=3, steps=4)
-    assert seconds > 0
+    tokens, seconds = adaptive.decode_step(engine, batch=3, steps=4)
+    assert tokens == 3 and seconds > 0
     result = traces[-1]
     assert [len(c.token_ids) for c in result.completions] == [5, 5, 5]
     decode = [r for r in result.trace if r.live == 3 and r.tokens == 3]

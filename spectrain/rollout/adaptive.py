@@ -233,10 +233,12 @@ def build_controller(config: SpecTrainConfig, engine, run_dir: str | Path) -> Sp
 CALIBRATION_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # capped at the engine's max_num_seqs
 
 
-def decode_step_seconds(engine, batch: int, steps: int = 8) -> float:
-    """Median seconds of one plain decode step of `batch` sequences: `batch` tokens per target forward.
+def decode_step(engine, batch: int, steps: int = 8) -> tuple[int, float]:
+    """(tokens, median seconds) of the steady plain decode steps of `batch` sequences.
 
     Measured in the live vLLM engine, so the vLLM per-step overhead the rollout pays is in it.
+    vLLM may run fewer than `batch` sequences at once (KV cache, token budget); the most common
+    token count per step says how many ran, and only those steps are timed.
     """
     from spectrain.rollout.base import SamplingConfig
     from spectrain.rollout.step_loop import generate_stepwise
@@ -244,24 +246,24 @@ def decode_step_seconds(engine, batch: int, steps: int = 8) -> float:
     vocab = engine.llm.llm_engine.model_config.get_vocab_size()
     prompts = [[1] + [4 + (i * 7 + j) % (vocab - 4) for j in range(8)] for i in range(batch)]
     sampling = SamplingConfig(max_tokens=steps + 1, min_tokens=steps + 1, temperature=0.0)
-    trace = generate_stepwise(engine, prompts, sampling).trace
-    decode = [r.seconds for r in trace if r.live == batch and r.tokens == batch]
-    assert decode, f"no pure decode step of {batch} sequences in the trace: {trace}"
-    return statistics.median(decode)
+    decode = generate_stepwise(engine, prompts, sampling).trace[1:]  # the first step prefills
+    counts = Counter(r.tokens for r in decode)
+    tokens = max(counts, key=lambda n: (counts[n], n))
+    return tokens, statistics.median(r.seconds for r in decode if r.tokens == tokens)
 
 
 def measure_engine_verify_budget(engine, batches=CALIBRATION_BATCHES, steps: int = 8) -> CalibrationResult:
     """`C` for the engine's policy on this machine: plain decode steps at growing batch sizes.
 
-    The engine must decode without a draft (or with `k=0`): each step's target forward then
-    holds exactly `batch` tokens, the same cost a verify step of `batch * (k + 1)` tokens pays.
+    The engine must decode without a draft (or with `k=0`): a step of `n` sequences is then one
+    target forward over `n` tokens, the same cost a verify step of `n` tokens pays.
     """
     batches = [b for b in batches if b <= engine.max_num_seqs]
-    decode_step_seconds(engine, batches[0], steps=2)  # warm-up: first steps allocate and compile
-    times = {b: decode_step_seconds(engine, b, steps) for b in batches}
-    result = calibrate_verify_budget(times.__getitem__, batches)
+    decode_step(engine, batches[0], steps=2)  # warm-up: first steps allocate and compile
+    seconds_by_tokens = dict(decode_step(engine, b, steps) for b in batches)
+    result = calibrate_verify_budget(seconds_by_tokens.__getitem__, list(seconds_by_tokens))
     result.meta = {"machine": machine_label(), "torch_threads": torch.get_num_threads(),
-                   "decode_steps_per_point": steps}
+                   "decode_steps_per_point": steps, "batches": batches}
     return result
 
 
