@@ -33,11 +33,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import queue
 import re
-import socket
 import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -46,6 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from spectrain.bench.drift import machine_label, split_options
+from spectrain.bench.ranks import run_on_ranks
 from spectrain.parallel.ring_attention import ZigzagRingAttentionOps, _acc_dtype, _add_rows, _Step
 from spectrain.plots import plot_panels
 
@@ -258,51 +256,25 @@ def _sweep(rank: int, world: int, o: dict) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------ processes
-def _entry(rank: int, world: int, port: int, o: dict, results) -> None:
+def _sweep_on_rank(rank: int, port: int, world: int, o: dict) -> list[dict]:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=o["timeout"]))
     try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=o["timeout"]))
-        results.put((rank, True, _sweep(rank, world, o)))
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
+        return _sweep(rank, world, o)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        dist.destroy_process_group()
 
 
 def spawn_sweep(world: int, o: dict) -> list[list[dict]]:
     """`_sweep` on `world` fresh processes (the memory method needs the malloc setting at start-up)."""
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
     saved = dict(os.environ)
     os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
-    procs = [ctx.Process(target=_entry, args=(r, world, port, o, results), daemon=True) for r in range(world)]
     try:
-        for p in procs:
-            p.start()
-        out, deadline = {}, time.monotonic() + o["timeout"]
-        while len(out) < world:
-            try:
-                rank, ok, payload = results.get(timeout=max(1.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise TimeoutError(f"bench cp: cp={world} gave no result in {o['timeout']:.0f}s") from None
-            if not ok:
-                raise RuntimeError(f"bench cp: cp={world} rank {rank} failed:\n{payload}")
-            out[rank] = payload
+        return run_on_ranks(_sweep_on_rank, world, (world, o), o["timeout"], f"bench cp: cp={world}")
     finally:
         os.environ.clear()
         os.environ.update(saved)
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return [out[r] for r in range(world)]
 
 
 # ------------------------------------------------------------------------------ report

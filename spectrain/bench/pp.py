@@ -22,17 +22,15 @@ from __future__ import annotations
 
 import json
 import os
-import queue
-import socket
 import statistics
 import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 
 from spectrain.bench.drift import machine_label, split_options
+from spectrain.bench.ranks import run_on_ranks
 from spectrain.plots import plot_panels
 
 SCHEDULES = ("1F1B", "GPipe")
@@ -93,13 +91,6 @@ def _timed(transport):
 
     Timed.__name__ = f"Timed{transport.__name__}"
     return Timed
-
-
-def _worker(rank: int, port: int, o: dict, results) -> None:
-    try:
-        results.put((rank, True, _measure(rank, port, o)))
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
 
 
 def _measure(rank: int, port: int, o: dict) -> dict:
@@ -176,36 +167,6 @@ def _measure(rank: int, port: int, o: dict) -> dict:
     budget = microbatch_budget(batch.cu_seqlens, o["microbatches"])
     return {"step_seconds": times, "cpu_seconds": cpu_times, "tap_call_seconds": tap_times,
             "draft_seconds": draft_times, "tokens_per_microbatch": budget}
-
-
-def _spawn(o: dict, timeout_s: float = 900.0) -> list[dict]:
-    """`_measure` on two spawned ranks; the per-rank results."""
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, o, results), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    out, deadline = {}, time.monotonic() + timeout_s
-    try:
-        while len(out) < 2:
-            try:
-                rank, ok, payload = results.get(timeout=max(1.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise TimeoutError(f"bench pp: no result after {timeout_s:.0f}s") from None
-            if not ok:
-                raise RuntimeError(f"bench pp: rank {rank} failed:\n{payload}")
-            out[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return [out[0], out[1]]
 
 
 def _spread(xs: list[float]) -> dict:
@@ -323,7 +284,7 @@ def main(args: list[str]) -> int:
         raise SystemExit(f"bench pp: unknown options {unknown}; known: {sorted(DEFAULTS)}")
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
-    ranks = _spawn(o)
+    ranks = run_on_ranks(_measure, 2, (o,), 900.0, "bench pp")
     summary = summarise(ranks)
     label = (f"{machine_label()}; load average {load_before:.1f} -> {os.getloadavg()[0]:.1f} on "
              f"{os.cpu_count()} cores; {time.perf_counter() - started:.0f} s")
