@@ -71,7 +71,9 @@ class RolloutConfig:
 class GRPOConfig:
     lr: float = 3e-5  # measured: 5e-4 collapses the tiny policy within 5 steps, 3e-5 improves it
     clip_eps: float = 0.2
-    kl_beta: float = 0.0
+    kl_beta: float = 0.0  # weight of KL(policy || warm-start policy); needs cp=1 and pp=1
+    minibatches: int = 1  # optimizer updates per rollout pass, each on a shuffled share of the documents
+    epochs: int = 1  # passes over each rollout; updates after the first are clipped against the rollout
     adv_eps: float = 1e-4
     grad_clip: float = 1.0
     weight_decay: float = 0.0
@@ -313,6 +315,13 @@ def validate(c: SpecTrainConfig) -> None:
              f"raise the latter or lower the former")
     _require(c.grpo.clip_eps > 0, "grpo.clip_eps", "must be > 0")
     _require(c.grpo.kl_beta >= 0, "grpo.kl_beta", "must be >= 0")
+    _require(c.grpo.kl_beta == 0 or (c.parallel.cp == 1 and c.parallel.pp == 1), "grpo.kl_beta",
+             "the KL term needs whole documents on one rank: set parallel.cp=1 and parallel.pp=1, or grpo.kl_beta=0")
+    _require(c.grpo.epochs >= 1, "grpo.epochs", "must be >= 1")
+    docs = r.prompts_per_step * r.group_size
+    _require(1 <= c.grpo.minibatches * c.parallel.dp <= docs, "grpo.minibatches",
+             f"times parallel.dp={c.parallel.dp} must be in [1, prompts_per_step * group_size = {docs}]: "
+             f"every data-parallel rank needs at least one completion per minibatch")
     _one_of(c.task.name, "task.name", ("arithmetic", "jsonl"))
     _one_of(c.task.on_bad_row, "task.on_bad_row", ("skip", "error"))
     _require(c.task.name != "jsonl" or bool(c.task.path), "task.path",

@@ -8,17 +8,18 @@ module's second optimizer; the `DraftCoTraining` callback steps it from the taps
 """
 from __future__ import annotations
 
+import copy
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import lightning as L
 import torch
 
 from spectrain.config import SpecTrainConfig
 from spectrain.models.llama import LlamaForCausalLM
-from spectrain.parallel.plan import DraftInputs, LocalPlan, TrainPlan
+from spectrain.parallel.plan import DraftInputs, LocalPlan, TrainPlan, ttt_valid_tokens
 from spectrain.rl.batch import RolloutBatch, build_rollout_batch
-from spectrain.rl.grpo import group_advantages, grpo_loss, token_logprobs
+from spectrain.rl.grpo import group_advantages, grpo_loss, minibatch_documents, token_logprobs
 from spectrain.rollout.base import Completion, RolloutEngine, SamplingConfig, SpecDecodeCounters
 from spectrain.rollout.adaptive import (
     LongTailTrainer,
@@ -53,6 +54,8 @@ class GRPOModule(L.LightningModule):
         self.tokenizer = tokenizer
         self.reward_fn = reward_fn
         self.automatic_optimization = False
+        # KL(policy || warm start) needs the warm start frozen beside the policy
+        self.reference = copy.deepcopy(policy).requires_grad_(False) if config.grpo.kl_beta > 0 else None
         self.engine: RolloutEngine | None = None  # attached by SpecTrainer; not checkpointed
         self.plan: TrainPlan = LocalPlan()  # replaced by SpecParallelStrategy under dp/cp/pp
         self.draft_inputs: list[DraftInputs] = []  # left by the policy forward for DraftCoTraining
@@ -161,35 +164,74 @@ class GRPOModule(L.LightningModule):
     def training_step(self, examples, batch_idx):
         g = self.config.grpo
         completions, rewards, self.rollout_stats = self.rollout(examples, self.config.rollout.group_size)
+        assert all(len(c.logprobs) == len(c.token_ids) for c in completions), (
+            "the rollout engine must return each sampled token's logprob: they are GRPO's old policy")
         batch = build_rollout_batch(completions, group_advantages(rewards, self.config.rollout.group_size, g.adv_eps))
-        num_tokens = batch.num_response_tokens  # global normaliser: every rank holds the whole rollout
-
-        def loss_fn(logits: torch.Tensor, part: RolloutBatch):
-            logprobs = token_logprobs(logits, part.targets)
-            out = grpo_loss(logprobs, logprobs.detach(), part.advantages, part.response_mask, g.clip_eps,
-                            num_tokens=num_tokens)
-            return out.loss, logprobs
-
         capture = self.aux_layer_ids if self.trains_draft else ()
-        opt = self.policy_optimizer()
-        opt.zero_grad(set_to_none=True)
-        result = self.plan.policy_forward_backward(self.policy, batch, loss_fn, capture, self.manual_backward)
-        self.plan.reduce_gradients(self.policy)
-        grad_norm = self.plan.clip_grad_norm(self.policy, g.grad_clip)
-        opt.step()
-        self.draft_inputs = result.draft_inputs
-        mask = result.batch.response_mask
-        mismatch = (result.logprobs - result.batch.rollout_logprobs).abs()[mask]
+        generator = torch.Generator().manual_seed(self.config.trainer.seed * 1_000_003 + self.global_step)
+        updates = [(epoch, docs) for epoch in range(g.epochs)
+                   for docs in minibatch_documents(batch.num_docs, g.minibatches, generator)]
+        results, stats = [], []
+        for i, (epoch, docs) in enumerate(updates):
+            part = batch if len(docs) == batch.num_docs else batch.select(docs)
+            result, update_stats = self.policy_update(part, capture if epoch == 0 else (), last=i == len(updates) - 1)
+            results.append(result)
+            stats.append(update_stats)
+        # the draft sees every document once, from the first pass; its loss is normalised over the whole rollout
+        valid = ttt_valid_tokens(batch)
+        self.draft_inputs = [replace(chunk, num_valid_tokens=valid) for r in results[:g.minibatches]
+                             for chunk in r.draft_inputs]
+        first = results[0]  # before any update: the engine served exactly this policy
+        mismatch = (first.logprobs - first.batch.rollout_logprobs).abs()[first.batch.response_mask]
+        mean = lambda key: torch.stack([s[key] for s in stats]).mean()  # noqa: E731
         self.log_dict({
             "reward": rewards.mean(),
-            "policy/loss": result.loss,
-            "policy/grad_norm": grad_norm,
+            "policy/loss": mean("loss"),
+            "policy/grad_norm": mean("grad_norm"),
+            "policy/clip_fraction": mean("clip_fraction"),
+            "policy/kl": mean("kl"),
             "policy/engine_logprob_diff": mismatch.mean() if mismatch.numel() else torch.tensor(0.0),
             "rollout/tokens_per_s": self.rollout_stats.tokens_per_second,
             "rollout/seconds": self.rollout_stats.seconds,
-            "rollout/mean_response_len": num_tokens / batch.num_docs,
+            "rollout/mean_response_len": batch.num_response_tokens / batch.num_docs,
         }, on_step=True, batch_size=len(examples))
         self.log("reward_mean", rewards.mean(), prog_bar=True, on_step=True, batch_size=len(examples), logger=False)
         if self.step_loop_metrics:
             self.log_dict(self.step_loop_metrics, on_step=True, batch_size=1)
-        return result.loss
+        return mean("loss")
+
+    def policy_update(self, part: RolloutBatch, capture: tuple[int, ...], last: bool):
+        """One clipped policy-gradient update on `part` of the rollout.
+
+        Ratios are taken against the engine's logprobs, which equal the trainer's before the first
+        update (tests/test_engine.py), so a single update is the plain on-policy gradient and later
+        ones are clipped. Only the last update steps Lightning's optimizer wrapper: `global_step`
+        counts GRPO steps (rollouts), not updates.
+        """
+        g = self.config.grpo
+        num_tokens = part.num_response_tokens  # global: every rank holds the whole rollout
+        losses = {}
+
+        def loss_fn(logits: torch.Tensor, local: RolloutBatch):
+            logprobs = token_logprobs(logits, local.targets)
+            ref = self.reference_logprobs(local) if g.kl_beta > 0 else None
+            out = grpo_loss(logprobs, local.rollout_logprobs, local.advantages, local.response_mask, g.clip_eps,
+                            ref_logprobs=ref, kl_beta=g.kl_beta, num_tokens=num_tokens)
+            losses.update(clip_fraction=out.clip_fraction, kl=out.kl)
+            return out.loss, logprobs
+
+        opt = self.policy_optimizer()
+        opt.zero_grad(set_to_none=True)
+        result = self.plan.policy_forward_backward(self.policy, part, loss_fn, capture, self.manual_backward)
+        self.plan.reduce_gradients(self.policy)
+        grad_norm = self.plan.clip_grad_norm(self.policy, g.grad_clip)
+        (opt if last else opt.optimizer).step()
+        zero = torch.tensor(0.0)  # ranks without the last pipeline stage compute no loss terms
+        return result, {"loss": result.loss.float(), "grad_norm": grad_norm.detach().float(),
+                        "clip_fraction": losses.get("clip_fraction", zero), "kl": losses.get("kl", zero)}
+
+    @torch.no_grad()
+    def reference_logprobs(self, part: RolloutBatch) -> torch.Tensor:
+        """Logprobs of `part`'s targets under the frozen warm-start policy (whole documents: cp=pp=1)."""
+        logits = self.reference(part.input_ids, part.position_ids, part.cu_seqlens).logits
+        return token_logprobs(logits, part.targets)

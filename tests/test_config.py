@@ -39,6 +39,10 @@ def test_packaged_parent_by_name(tmp_path):
     (["draft.aux_layer_ids=[0,1,7]"], "draft.aux_layer_ids"),
     (["task.name=jsonl"], "task.path"),
     (["trainer.max_steps"], "key=value"),
+    (["grpo.kl_beta=0.1", "parallel.cp=2"], "grpo.kl_beta"),
+    (["grpo.minibatches=0"], "grpo.minibatches"),
+    (["rollout.prompts_per_step=2", "rollout.group_size=2", "grpo.minibatches=5"], "grpo.minibatches"),
+    (["grpo.epochs=0"], "grpo.epochs"),
 ])
 def test_bad_values_name_the_key(overrides, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.").replace("[", r"\[")):

@@ -10,7 +10,8 @@ from spectrain.trainer import RunDirError, SpecTrainer
 
 TINY = ["sft.steps=20", "sft.batch_size=16", "draft.warmup_steps=10", "rollout.prompts_per_step=4",
         "rollout.group_size=4", "rollout.eval_prompts=8", "trainer.progress_bar=false",
-        "trainer.checkpoint_every_n_steps=1", "draft.check_alive=false"]
+        "trainer.checkpoint_every_n_steps=1", "draft.check_alive=false",
+        "grpo.minibatches=2", "grpo.epochs=2", "grpo.kl_beta=0.05"]  # 4 clipped updates per step, KL to warm start
 
 
 def metrics(run_dir):
@@ -36,6 +37,8 @@ def test_fit_runs_end_to_end_and_resumes(tmp_path):
     assert float(row["spec/mean_acceptance_length"]) >= 1.0
     assert float(next(r for r in rows if r.get("policy/engine_logprob_diff"))["policy/engine_logprob_diff"]) < 1e-3
     assert next(r for r in rows if r.get("draft/loss"))["draft/loss"]
+    last = next(r for r in rows if r.get("policy/kl") and int(r["step"]) == 1)
+    assert float(last["policy/kl"]) > 0 and 0 <= float(last["policy/clip_fraction"]) <= 1
     summary = json.loads((run_dir / "spectrain_run.json").read_text())["result"]
     assert summary["steps"] == 2 and set(summary["final"]) == {"greedy_reward", "sampled_reward"}
 

@@ -4,7 +4,7 @@ import math
 import torch
 
 from spectrain.rl.batch import build_rollout_batch
-from spectrain.rl.grpo import group_advantages, grpo_loss, token_logprobs
+from spectrain.rl.grpo import group_advantages, grpo_loss, minibatch_documents, token_logprobs
 from spectrain.rollout.base import Completion
 
 
@@ -59,3 +59,11 @@ def test_rollout_batch_masks_only_response_tokens():
     assert b.advantages.tolist() == [1.0] * 6 + [-1.0] * 3
     sub = b.select([1])
     assert sub.input_ids.tolist() == [1, 12, 22] and sub.cu_seqlens.tolist() == [0, 3]
+
+
+def test_minibatches_split_every_document_once_and_agree_across_ranks():
+    parts = minibatch_documents(10, 3, torch.Generator().manual_seed(5))
+    assert [len(p) for p in parts] == [4, 3, 3]
+    assert sorted(i for p in parts for i in p) == list(range(10))
+    assert parts == minibatch_documents(10, 3, torch.Generator().manual_seed(5))  # same seed, same split
+    assert minibatch_documents(4, 1, torch.Generator()) == [[0, 1, 2, 3]]

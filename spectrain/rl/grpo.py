@@ -69,3 +69,13 @@ def grpo_loss(
         kl=((kl * mask).sum() / denom).detach(),
         ratio_mean=((ratio * mask).sum() / denom).detach(),
     )
+
+
+def minibatch_documents(num_docs: int, minibatches: int, generator: torch.Generator) -> list[list[int]]:
+    """A shuffled split of the rollout's documents into `minibatches` near-equal parts, one per update.
+
+    Every rank passes a generator seeded the same way, so all ranks agree on the split.
+    """
+    assert 1 <= minibatches <= num_docs, f"cannot split {num_docs} documents into {minibatches} minibatches"
+    order = torch.randperm(num_docs, generator=generator) if minibatches > 1 else torch.arange(num_docs)
+    return [sorted(part.tolist()) for part in torch.tensor_split(order, minibatches)]
