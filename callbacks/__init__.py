@@ -1,7 +1,8 @@
-"""Lightning callbacks of spectrain: draft co-training, weight sync, acceptance logging."""
+"""Lightning callbacks of spectrain: draft co-training, weight sync, acceptance logging, held-out evaluation."""
 from spectrain.callbacks.acceptance_logger import AcceptanceLengthLogger
 from spectrain.callbacks.draft_cotraining import DraftCoTraining
+from spectrain.callbacks.held_out_eval import HeldOutEval
 from spectrain.callbacks.run_history import RunHistory
 from spectrain.callbacks.weight_sync import SpeculationDeadError, WeightSync
 
-__all__ = ["AcceptanceLengthLogger", "DraftCoTraining", "RunHistory", "SpeculationDeadError", "WeightSync"]
+__all__ = ["AcceptanceLengthLogger", "DraftCoTraining", "HeldOutEval", "RunHistory", "SpeculationDeadError", "WeightSync"]

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from lightning.pytorch.callbacks import Callback
 
+from spectrain.callbacks.held_out_eval import HeldOutEval
 from spectrain.plots import plot_panels
 
 
@@ -13,7 +14,7 @@ class RunHistory(Callback):
     """Place it last: its step time then covers rollout, policy, draft and weight sync.
 
     Keeps one dict of scalar metrics per step (checkpointed, so a resumed run plots its
-    whole history) and draws reward, acceptance length and step time per step at the end.
+    whole history) and draws reward (train and, with `HeldOutEval`, held-out), acceptance length and step time per step at the end.
     """
 
     def __init__(self, plot_path: str | None = None) -> None:
@@ -33,14 +34,19 @@ class RunHistory(Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.history and trainer.is_global_zero:
-            self.plot(Path(self.plot_path or Path(trainer.default_root_dir) / "training.png"))
+            held_out = next((c for c in trainer.callbacks if isinstance(c, HeldOutEval)), None)
+            self.plot(Path(self.plot_path or Path(trainer.default_root_dir) / "training.png"), held_out)
 
     def column(self, key: str) -> tuple[list[int], list[float]]:
         rows = [r for r in self.history if key in r]
         return [r["step"] for r in rows], [r[key] for r in rows]
 
-    def plot(self, path: Path) -> Path:
-        panels = [("mean reward (train rollouts)", {"reward": self.column("reward")})]
+    def plot(self, path: Path, held_out: HeldOutEval | None = None) -> Path:
+        rewards = {"train rollouts": self.column("reward")}
+        if held_out is not None:
+            rewards.update({"held-out, sampled": held_out.column("sampled_reward"),
+                            "held-out, greedy": held_out.column("greedy_reward")})
+        panels = [("mean reward", rewards)]
         if self.column("spec/mean_acceptance_length")[0]:
             panels.append(("mean acceptance length", {"vLLM": self.column("spec/mean_acceptance_length")}))
         panels.append(("seconds", {"step": self.column("time/step"), "rollout": self.column("rollout/seconds")}))

@@ -65,6 +65,7 @@ class RolloutConfig:
     max_model_len: int = 128
     kv_cache_gib: float = 1.0
     eval_prompts: int = 128
+    eval_samples: int = 8  # sampled completions per held-out prompt
 
 
 @dataclass
@@ -144,7 +145,7 @@ class TrainerConfig:
     resume: str = "auto"  # auto: resume an existing run dir | never: refuse an existing one
     logger: str = "csv"  # csv | tensorboard
     log_every_n_steps: int = 1
-    eval_every_n_steps: int = 5
+    eval_every_n_steps: int = 10  # held-out reward every N steps (0: only before and after training)
     checkpoint_every_n_steps: int = 5
     progress_bar: bool = True
     callbacks: list[CallbackConfig] = field(default_factory=list)
@@ -307,6 +308,9 @@ def validate(c: SpecTrainConfig) -> None:
     _require(r.group_size >= 2, "rollout.group_size",
              f"is {r.group_size}; GRPO normalises rewards within a group, so it needs >= 2 samples per prompt")
     _require(r.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1")
+    _require(r.eval_prompts >= 1 and r.eval_samples >= 2, "rollout.eval_prompts/eval_samples",
+             "need eval_prompts >= 1 and eval_samples >= 2 (the standard error needs two samples)")
+    _require(c.trainer.eval_every_n_steps >= 0, "trainer.eval_every_n_steps", "must be >= 0 (0 turns it off)")
     _require(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
     _require(r.temperature >= 0, "rollout.temperature", "must be >= 0")
     _require(0 < r.top_p <= 1, "rollout.top_p", "must be in (0, 1]")

@@ -123,6 +123,16 @@ class GRPOModule(L.LightningModule):
             result = (completions, rewards, stats)
         return self.plan.share(result)
 
+    @torch.no_grad()
+    def evaluate(self, examples, samples: int) -> dict[str, float]:
+        """Mean reward on held-out `examples`: greedy, and `samples` per prompt sampled as in training
+        (what GRPO optimises), with the sampled mean's standard error (std / sqrt(n): an upper bound
+        on the sampling noise, since the prompts are fixed)."""
+        _, greedy, _ = self.rollout(examples, n=1, greedy=True)
+        _, sampled, _ = self.rollout(examples, n=samples)
+        return {"greedy_reward": float(greedy.mean()), "sampled_reward": float(sampled.mean()),
+                "sampled_reward_se": float(sampled.std() / sampled.numel() ** 0.5)}
+
     # adaptive speculation and long-tail spot training (spectrain/rollout/adaptive.py) ----
     def generate_rollout(self, prompts: list[list[int]], sampling: SamplingConfig, train_in_tail: bool):
         """`engine.generate`, or the step loop when `k` adapts per step or the long tail trains the draft."""

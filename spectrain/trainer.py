@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import random
 import time
 import warnings
@@ -69,7 +70,11 @@ class FitResult:
         return self.final_eval["sampled_reward"]
 
     def summary(self) -> dict:
-        gains = {f"{k}_gain": round(self.final_eval[k] - self.warmstart_eval[k], 4) for k in self.final_eval}
+        gains = {f"{k}_gain": round(self.final_eval[k] - self.warmstart_eval[k], 4)
+                 for k in ("greedy_reward", "sampled_reward")}
+        if "sampled_reward_se" in self.warmstart_eval:  # runs recorded before the eval had one lack it
+            gains["sampled_reward_gain_se"] = round(math.hypot(self.final_eval["sampled_reward_se"],
+                                                               self.warmstart_eval["sampled_reward_se"]), 4)
         return {"run_dir": str(self.run_dir), "steps": self.steps, "seconds": round(self.seconds, 1),
                 "warmstart": self.warmstart_eval, "final": self.final_eval, **gains}
 
@@ -83,6 +88,7 @@ class SpecTrainer:
         self.run_dir = Path(config.trainer.run_dir)
         self.warmstart_dir = Path(config.trainer.warmstart_dir or self.run_dir / "warmstart")
         self.engine: RolloutEngine | None = None
+        self.warm_eval: dict[str, float] | None = None  # held-out rewards before GRPO
         self.module: GRPOModule | None = None
         self.trainer: L.Trainer | None = None
         self.strategy = None  # SpecParallelStrategy when the run spans processes (build_strategy)
@@ -160,7 +166,7 @@ class SpecTrainer:
             ensure_model_parallel_initialized(1, 1)
 
     def build_callbacks(self) -> list[Callback]:
-        from spectrain.callbacks import AcceptanceLengthLogger, DraftCoTraining, RunHistory, WeightSync
+        from spectrain.callbacks import AcceptanceLengthLogger, DraftCoTraining, HeldOutEval, RunHistory, WeightSync
 
         d = self.config.draft
         callbacks: list[Callback] = []
@@ -170,6 +176,9 @@ class SpecTrainer:
         callbacks.append(WeightSync(check_alive=d.check_alive and d.mode != "none"))
         if d.mode != "none":
             callbacks.append(AcceptanceLengthLogger())
+        if self.config.trainer.eval_every_n_steps:  # after WeightSync: it evaluates the step's weights
+            callbacks.append(HeldOutEval(self.eval_examples(), self.config.trainer.eval_every_n_steps,
+                                         self.config.rollout.eval_samples, warmstart=self.warm_eval))
         callbacks += [_instantiate(c.target, c.args) for c in self.config.trainer.callbacks]
         callbacks += self.extra_callbacks
         callbacks.append(ModelCheckpoint(dirpath=self.run_dir / "checkpoints", save_last=True, save_top_k=0,
@@ -205,8 +214,8 @@ class SpecTrainer:
             if self.strategy is not None:
                 self.strategy.connect(self.module)
             eval_examples = self.eval_examples()
-            warm_eval = (self.evaluate(eval_examples) if resume_ckpt is None
-                         else self._on_rank_zero(self._recorded_warm_eval))
+            self.warm_eval = warm_eval = (self.evaluate(eval_examples) if resume_ckpt is None
+                                          else self._on_rank_zero(self._recorded_warm_eval))
             if self.is_rank_zero:
                 self._record({"warmstart_eval": warm_eval})
             self.trainer = self.build_lightning_trainer()
@@ -293,13 +302,9 @@ class SpecTrainer:
     def eval_examples(self):
         return self.source.sample(self.config.rollout.eval_prompts, random.Random(f"eval:{self.config.trainer.seed}"))
 
-    @torch.no_grad()
     def evaluate(self, examples) -> dict[str, float]:
-        """Mean reward on a fixed held-out prompt set (via the engine): greedy, and sampled as in
-        training (4 samples per prompt; what GRPO optimises)."""
-        _, greedy, _ = self.module.rollout(examples, n=1, greedy=True)
-        _, sampled, _ = self.module.rollout(examples, n=4)
-        return {"greedy_reward": float(greedy.mean()), "sampled_reward": float(sampled.mean())}
+        """Held-out rewards on a fixed prompt set, through the engine (`GRPOModule.evaluate`)."""
+        return self.module.evaluate(examples, self.config.rollout.eval_samples)
 
     def history(self) -> list[dict]:
         from spectrain.callbacks import RunHistory

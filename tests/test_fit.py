@@ -11,7 +11,8 @@ from spectrain.trainer import RunDirError, SpecTrainer
 TINY = ["sft.steps=20", "sft.batch_size=16", "draft.warmup_steps=10", "rollout.prompts_per_step=4",
         "rollout.group_size=4", "rollout.eval_prompts=8", "trainer.progress_bar=false",
         "trainer.checkpoint_every_n_steps=1", "draft.check_alive=false",
-        "grpo.minibatches=2", "grpo.epochs=2", "grpo.kl_beta=0.05"]  # 4 clipped updates per step, KL to warm start
+        "grpo.minibatches=2", "grpo.epochs=2", "grpo.kl_beta=0.05",
+        "trainer.eval_every_n_steps=1", "rollout.eval_samples=2"]  # 4 clipped updates per step, KL to warm start
 
 
 def metrics(run_dir):
@@ -40,7 +41,10 @@ def test_fit_runs_end_to_end_and_resumes(tmp_path):
     last = next(r for r in rows if r.get("policy/kl") and int(r["step"]) == 1)
     assert float(last["policy/kl"]) > 0 and 0 <= float(last["policy/clip_fraction"]) <= 1
     summary = json.loads((run_dir / "spectrain_run.json").read_text())["result"]
-    assert summary["steps"] == 2 and set(summary["final"]) == {"greedy_reward", "sampled_reward"}
+    assert summary["steps"] == 2 and set(summary["final"]) == {"greedy_reward", "sampled_reward", "sampled_reward_se"}
+    assert summary["sampled_reward_gain_se"] > 0
+    held_out = [r for r in rows if r.get("eval/sampled_reward")]
+    assert [int(r["step"]) for r in held_out] == [1]  # after step 1; step 0's is the warm start, 2's the final
 
     # Same command, more steps: resumes from the checkpoint instead of starting over.
     config = load_config("tiny_cpu", [f"trainer.run_dir={run_dir}", "trainer.max_steps=3", *TINY])

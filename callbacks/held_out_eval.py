@@ -1,0 +1,45 @@
+"""`HeldOutEval`: the held-out reward every N steps, so the run shows learning beyond train-batch noise."""
+from __future__ import annotations
+
+from lightning.pytorch.callbacks import Callback
+
+
+class HeldOutEval(Callback):
+    """Evaluates the policy the engine serves after every `every_n_steps` steps and at the end.
+
+    Logs `eval/greedy_reward`, `eval/sampled_reward` and `eval/sampled_reward_se`, and keeps
+    the points (checkpointed) for the run's plot. The prompts are fixed for the whole run (the
+    warm-start and final evaluations use the same ones), so the curve moves only with the
+    policy and the sampling noise its standard error states. It runs at the start of the next
+    step, after `WeightSync` pushed the weights, so the step time excludes it.
+    """
+
+    def __init__(self, examples, every_n_steps: int, samples: int, warmstart: dict[str, float] | None = None) -> None:
+        assert every_n_steps >= 1, f"every_n_steps must be >= 1, got {every_n_steps}"
+        self.examples, self.every_n_steps, self.samples = examples, every_n_steps, samples
+        self.history: list[dict] = [{"step": 0, **warmstart}] if warmstart else []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if step and step % self.every_n_steps == 0:
+            self._evaluate(trainer, pl_module, log=True)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if not self.history or self.history[-1]["step"] != trainer.global_step:
+            self._evaluate(trainer, pl_module, log=False)  # Lightning takes no logs after training
+
+    def _evaluate(self, trainer, pl_module, log: bool) -> None:
+        rewards = pl_module.evaluate(self.examples, self.samples)
+        self.history.append({"step": trainer.global_step, **rewards})
+        if log:
+            pl_module.log_dict({f"eval/{k}": v for k, v in rewards.items()}, on_step=True, batch_size=1)
+
+    def column(self, key: str) -> tuple[list[int], list[float]]:
+        rows = [r for r in self.history if key in r]
+        return [r["step"] for r in rows], [r[key] for r in rows]
+
+    def state_dict(self) -> dict:
+        return {"history": self.history}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.history = list(state_dict["history"])
