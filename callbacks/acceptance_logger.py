@@ -1,6 +1,7 @@
 """`AcceptanceLengthLogger`: per-step speculative-decoding metrics from vLLM's counters."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from lightning.pytorch.callbacks import Callback
@@ -22,7 +23,10 @@ class AcceptanceLengthLogger(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         spec = pl_module.rollout_stats.spec
-        if spec.num_drafts == 0:
+        if spec.num_drafts == 0:  # nothing drafted (k=0): NaN, or Lightning repeats the last step's values
+            if self.history:
+                pl_module.log_dict({f"spec/{k}": math.nan for k in self.history[-1] if k != "step"},
+                                   on_step=True, batch_size=1)
             return
         row = {"step": trainer.global_step, "mean_acceptance_length": spec.mean_acceptance_length,
                "acceptance_rate": spec.acceptance_rate}

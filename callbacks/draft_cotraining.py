@@ -36,6 +36,9 @@ class DraftCoTraining(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if (trainer.global_step - 1) % self.every_n_steps:
+            # NaN, not nothing: Lightning would repeat the last trained step's values in this row
+            pl_module.log_dict(self._metrics(math.nan, math.nan, [math.nan] * self.ttt_steps,
+                                             [math.nan] * self.ttt_steps), on_step=True, batch_size=1)
             return
         started = time.perf_counter()
         hosts = pl_module.plan.hosts_draft
@@ -65,12 +68,15 @@ class DraftCoTraining(Callback):
                 optimizer.step()
             self.steps_trained += 1
         seconds = trainer.strategy.reduce(torch.tensor(time.perf_counter() - started), reduce_op="max")  # the host's
-        log = {"draft/loss": total, "draft/seconds": seconds,
-               "draft/skipped_steps": float(self.steps_skipped)}
-        for d, (pass_loss, top1) in enumerate(zip(metrics.loss.tolist(), metrics.accuracy.tolist()), start=1):
+        pl_module.log_dict(self._metrics(total.item(), seconds.item(), metrics.loss.tolist(), metrics.accuracy.tolist()),
+                           on_step=True, batch_size=1)
+
+    def _metrics(self, loss: float, seconds: float, pass_losses: list[float], pass_top1: list[float]) -> dict:
+        log = {"draft/loss": loss, "draft/seconds": seconds, "draft/skipped_steps": float(self.steps_skipped)}
+        for d, (pass_loss, top1) in enumerate(zip(pass_losses, pass_top1), start=1):
             log[f"draft/pass_{d}_loss"] = pass_loss
             log[f"draft/pass_{d}_top1"] = top1
-        pl_module.log_dict(log, on_step=True, batch_size=1)
+        return log
 
     def state_dict(self) -> dict:
         return {"steps_trained": self.steps_trained, "steps_skipped": self.steps_skipped}

@@ -22,17 +22,18 @@ class HeldOutEval(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         step = trainer.global_step
         if step and step % self.every_n_steps == 0:
-            self._evaluate(trainer, pl_module, log=True)
+            self._evaluate(trainer, pl_module)
 
     def on_train_end(self, trainer, pl_module) -> None:
         if not self.history or self.history[-1]["step"] != trainer.global_step:
-            self._evaluate(trainer, pl_module, log=False)  # Lightning takes no logs after training
+            self._evaluate(trainer, pl_module)
 
-    def _evaluate(self, trainer, pl_module, log: bool) -> None:
+    def _evaluate(self, trainer, pl_module) -> None:
         rewards = pl_module.evaluate(self.examples, self.samples)
         self.history.append({"step": trainer.global_step, **rewards})
-        if log:
-            pl_module.log_dict({f"eval/{k}": v for k, v in rewards.items()}, on_step=True, batch_size=1)
+        # Straight to the loggers: a value passed to `self.log` from a hook repeats in every later row.
+        for logger in trainer.loggers:
+            logger.log_metrics({f"eval/{k}": v for k, v in rewards.items()}, step=trainer.global_step)
 
     def column(self, key: str) -> tuple[list[int], list[float]]:
         rows = [r for r in self.history if key in r]

@@ -291,10 +291,11 @@ def _check_pipeline(c: SpecTrainConfig) -> None:
              f"multiple of its {rounds} rounds; use a multiple of {par.pp}")
     _require(not p.tie_word_embeddings, "policy.tie_word_embeddings",
              "tied embeddings would put lm_head.weight on the first and the last stage; set it false or parallel.pp=1")
-    docs = c.rollout.prompts_per_step * c.rollout.group_size
+    docs = c.rollout.prompts_per_step * c.rollout.group_size // c.grpo.minibatches  # the smallest update's
     _require(docs >= par.dp * par.microbatches, "parallel.microbatches",
-             f"each of parallel.dp={par.dp} ranks cuts its documents into {par.microbatches} microbatches, but a step "
-             f"has only {docs} (rollout.prompts_per_step x group_size); lower parallel.microbatches or send more")
+             f"each of parallel.dp={par.dp} ranks cuts its documents into {par.microbatches} microbatches, but an "
+             f"update has only {docs} (rollout.prompts_per_step x group_size / grpo.minibatches); lower "
+             f"parallel.microbatches or grpo.minibatches, or send more")
 
 
 def validate(c: SpecTrainConfig) -> None:

@@ -1,4 +1,5 @@
 """Callbacks' own logic: NaN guard, liveness check, counter deltas (error paths use stand-ins)."""
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -63,9 +64,13 @@ def test_nan_guard_skips_the_draft_step():
 def test_every_n_steps():
     module = module_with_draft_inputs()
     callback = DraftCoTraining(every_n_steps=2, ttt_steps=1)
+    losses = []
     for step in (1, 2, 3):
         callback.on_train_batch_end(trainer_at(step), module, None, None, 0)
+        losses.append(module.logged["draft/loss"])
     assert callback.steps_trained == 2  # steps 1 and 3
+    # the step in between logs NaN: a missing value would make Lightning repeat step 1's
+    assert math.isfinite(losses[0]) and math.isnan(losses[1]) and math.isfinite(losses[2])
 
 
 def trainer_at(step):
@@ -97,6 +102,9 @@ def test_acceptance_logger_logs_deltas(tmp_path):
     assert module.logged["spec/mean_acceptance_length"] == pytest.approx(2.5)
     assert module.logged["spec/acceptance_rate"] == pytest.approx(0.5)
     assert module.logged["spec/pos_0_rate"] == pytest.approx(1.5)
+    module.rollout_stats = stats(drafts=0, accepted=0)  # a step that drafted nothing (k=0) logs NaN
+    logger.on_train_batch_end(SimpleNamespace(global_step=2), module, None, None, 0)
+    assert math.isnan(module.logged["spec/mean_acceptance_length"]) and len(logger.history) == 1
     logger.on_train_end(SimpleNamespace(default_root_dir=str(tmp_path)), module)
     assert (tmp_path / "acc.png").is_file()
 
