@@ -1,10 +1,11 @@
 """`GRPOModule`: one GRPO step per batch of prompts, with manual optimization.
 
 Each `training_step` rolls out `group_size` samples per prompt on the live engine, scores
-them, computes group advantages, runs the policy's training forward (capturing the draft's
-taps in the same pass) and steps the policy optimizer. The draft's optimizer is the
-module's second optimizer; the `DraftCoTraining` callback steps it from the taps left in
-`draft_inputs`, and `WeightSync` pushes both models to the engine afterwards.
+them, computes group advantages, and makes `grpo.minibatches` x `grpo.epochs` clipped
+updates of the policy (the first pass's forwards also capture the draft's taps). The
+draft's optimizer is the module's second optimizer; the `DraftCoTraining` callback steps it
+from the taps left in `draft_inputs`, and `WeightSync` pushes both models to the engine
+afterwards.
 """
 from __future__ import annotations
 
@@ -220,14 +221,15 @@ class GRPOModule(L.LightningModule):
         """
         g = self.config.grpo
         num_tokens = part.num_response_tokens  # global: every rank holds the whole rollout
-        losses = {}
+        shares = {"clip_fraction": torch.tensor(0.0), "kl": torch.tensor(0.0)}  # summed over this rank's chunks
 
         def loss_fn(logits: torch.Tensor, local: RolloutBatch):
             logprobs = token_logprobs(logits, local.targets)
             ref = self.reference_logprobs(local) if g.kl_beta > 0 else None
             out = grpo_loss(logprobs, local.rollout_logprobs, local.advantages, local.response_mask, g.clip_eps,
                             ref_logprobs=ref, kl_beta=g.kl_beta, num_tokens=num_tokens)
-            losses.update(clip_fraction=out.clip_fraction, kl=out.kl)
+            shares["clip_fraction"] = shares["clip_fraction"] + out.clip_fraction
+            shares["kl"] = shares["kl"] + out.kl
             return out.loss, logprobs
 
         opt = self.policy_optimizer()
@@ -236,9 +238,7 @@ class GRPOModule(L.LightningModule):
         self.plan.reduce_gradients(self.policy)
         grad_norm = self.plan.clip_grad_norm(self.policy, g.grad_clip)
         (opt if last else opt.optimizer).step()
-        zero = torch.tensor(0.0)  # ranks without the last pipeline stage compute no loss terms
-        return result, {"loss": result.loss.float(), "grad_norm": grad_norm.detach().float(),
-                        "clip_fraction": losses.get("clip_fraction", zero), "kl": losses.get("kl", zero)}
+        return result, {"loss": result.loss.float(), "grad_norm": grad_norm.detach().float(), **shares}
 
     @torch.no_grad()
     def reference_logprobs(self, part: RolloutBatch) -> torch.Tensor:
