@@ -229,7 +229,7 @@ class SpecTrainer:
                 warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
                 self.trainer.fit(self.module, train_dataloaders=loader, ckpt_path=resume_ckpt)
             self.sync_final_weights()
-            final_eval = self.evaluate(eval_examples)
+            final_eval = self.final_evaluation(eval_examples)
             if self.is_rank_zero:
                 self.export_models(self.module.policy, self.module.draft, self.run_dir / "final")
             history = self.history()
@@ -305,6 +305,15 @@ class SpecTrainer:
     def evaluate(self, examples) -> dict[str, float]:
         """Held-out rewards on a fixed prompt set, through the engine (`GRPOModule.evaluate`)."""
         return self.module.evaluate(examples, self.config.rollout.eval_samples)
+
+    def final_evaluation(self, examples) -> dict[str, float]:
+        """The trained policy's held-out rewards: `HeldOutEval`'s point for the last step if it took one."""
+        from spectrain.callbacks import HeldOutEval
+
+        held_out = next((c for c in self.trainer.callbacks if isinstance(c, HeldOutEval)), None)
+        if held_out is not None and held_out.history and held_out.history[-1]["step"] == self.trainer.global_step:
+            return {k: v for k, v in held_out.history[-1].items() if k != "step"}
+        return self.evaluate(examples)
 
     def history(self) -> list[dict]:
         from spectrain.callbacks import RunHistory
