@@ -45,6 +45,7 @@ def test_fit_runs_end_to_end_and_resumes(tmp_path):
     assert summary["sampled_reward_gain_se"] > 0
     held_out = [r for r in rows if r.get("eval/sampled_reward")]
     assert [int(r["step"]) for r in held_out] == [1, 2]  # after steps 1 and 2 (the warm start is step 0's)
+    assert summary["final"]["sampled_reward"] == pytest.approx(float(held_out[-1]["eval/sampled_reward"]))
 
     # Same command, more steps: resumes from the checkpoint instead of starting over.
     config = load_config("tiny_cpu", [f"trainer.run_dir={run_dir}", "trainer.max_steps=3", *TINY])

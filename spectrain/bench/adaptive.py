@@ -280,6 +280,7 @@ def run_e2e(opts, spec, policy_dir, draft_dir, budget) -> dict:
     """
     prompts = random_prompts(opts.e2e_prompts, opts.seed + 7)
     lengths = long_tailed_lengths(opts, len(prompts), opts.seed + 7)
+    lengths[-1] = opts.max_tokens  # one straggler prompt: the long tail spot training is for
     sampling = [SamplingConfig(n=opts.e2e_group, max_tokens=m, temperature=opts.e2e_temperature, seed=opts.seed)
                 for m in lengths]
     rule = ConcurrencyAwareRule(budget, k_max=opts.k_max, n_max=opts.k_max + 1)
@@ -413,7 +414,8 @@ def markdown(data: dict) -> str:
 
 `{data['command']}`: one process, {data['seconds']:.0f} s wall, {data['cpu_seconds']:.0f} s CPU.
 Machine: {data['machine']}, {data['threads']} torch threads; load average (1, 5, 15 min) {data['load_average_start']} at start,
-{data['load_average_end']} at end: the machine was shared, so absolute numbers only compare within this run.
+{data['load_average_end']} at end (the benchmark itself keeps {data['threads']} threads busy; a start load near
+0 means nothing else ran). Absolute numbers only compare within one run.
 
 Workload: {o['prompts']} prompts, greedy (every config generates the same tokens), per-request max_tokens ~
 lognormal(median {o['median_tokens']}, sigma {o['sigma']}) clipped to [4, {o['max_tokens']}]
@@ -447,7 +449,8 @@ generated token would be **{room['oracle_vs_best_fixed']:.2f}x** the best fixed 
 
 ## End to end: GRPO-like steps (rollout + policy step + draft step + weight sync)
 
-Concurrency rule in both; {o['e2e_prompts']} prompts x {o['e2e_group']} samples, temperature
+Concurrency rule in both; {o['e2e_prompts']} prompts x {o['e2e_group']} samples (one prompt at
+max_tokens={o['max_tokens']}: a straggler, so the tail is long), temperature
 {o['e2e_temperature']}; spot training below {o['long_tail_threshold']} live sequences, at most
 {o['long_tail_max_steps']} draft steps per rollout, on the previous step's taps. The two modes alternate step by
 step from the same start; steps 2..{o['e2e_steps']} are timed (median, spread). With long tail / without, paired
