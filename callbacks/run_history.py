@@ -14,7 +14,8 @@ class RunHistory(Callback):
     """Place it last: its step time then covers rollout, policy, draft and weight sync.
 
     Keeps one dict of scalar metrics per step (checkpointed, so a resumed run plots its
-    whole history) and draws reward (train and, with `HeldOutEval`, held-out), acceptance length and step time per step at the end.
+    whole history) and draws reward (train and, with `HeldOutEval`, held-out), acceptance
+    length and step time per step at the end.
     """
 
     def __init__(self, plot_path: str | None = None) -> None:
