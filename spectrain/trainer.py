@@ -214,10 +214,10 @@ class SpecTrainer:
             if self.strategy is not None:
                 self.strategy.connect(self.module)
             eval_examples = self.eval_examples()
-            self.warm_eval = warm_eval = (self.evaluate(eval_examples) if resume_ckpt is None
-                                          else self._on_rank_zero(self._recorded_warm_eval))
+            self.warm_eval = (self.evaluate(eval_examples) if resume_ckpt is None
+                              else self._on_rank_zero(self._recorded_warm_eval))
             if self.is_rank_zero:
-                self._record({"warmstart_eval": warm_eval})
+                self._record({"warmstart_eval": self.warm_eval})
             self.trainer = self.build_lightning_trainer()
             start_step = _checkpoint_step(resume_ckpt)
             loader = DataLoader(PromptStream(self.source, self.config.rollout.prompts_per_step,
@@ -236,7 +236,7 @@ class SpecTrainer:
         finally:
             if self.engine is not None:
                 self.engine.shutdown()  # vLLM also destroys rank 0's process group: no collective after this
-        result = FitResult(self.run_dir, warm_eval, final_eval, self.trainer.global_step,
+        result = FitResult(self.run_dir, self.warm_eval, final_eval, self.trainer.global_step,
                            time.perf_counter() - started, history)
         if self.is_rank_zero:
             self._record({"result": result.summary()})
@@ -310,7 +310,7 @@ class SpecTrainer:
         """The trained policy's held-out rewards: `HeldOutEval`'s point for the last step if it took one."""
         from spectrain.callbacks import HeldOutEval
 
-        held_out = next((c for c in self.trainer.callbacks if isinstance(c, HeldOutEval)), None)
+        held_out = self._callback(HeldOutEval)
         if held_out is not None and held_out.history and held_out.history[-1]["step"] == self.trainer.global_step:
             return {k: v for k, v in held_out.history[-1].items() if k != "step"}
         return self.evaluate(examples)
@@ -318,7 +318,10 @@ class SpecTrainer:
     def history(self) -> list[dict]:
         from spectrain.callbacks import RunHistory
 
-        return next(c for c in self.trainer.callbacks if isinstance(c, RunHistory)).history
+        return self._callback(RunHistory).history
+
+    def _callback(self, cls: type[Callback]) -> Callback | None:
+        return next((c for c in self.trainer.callbacks if isinstance(c, cls)), None)
 
     def export_models(self, policy, draft, out_dir: Path) -> tuple[Path, Path | None]:
         """The policy in HF format and the draft in vLLM's EAGLE-3 format."""

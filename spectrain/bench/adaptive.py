@@ -25,6 +25,7 @@ import random
 import statistics
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -354,13 +355,13 @@ def headroom(traces: dict[str, list[StepRecord]], best_fixed: str) -> dict:
             total[0] += r.seconds
             total[1] += r.tokens
     per_token = {b: {k: s / n for k, (s, n) in ks.items() if n} for b, ks in cost.items()}
-    tokens: dict[str, int] = {}
+    tokens: Counter[str] = Counter()
     for r in traces[best_fixed][1:]:
-        tokens[live_bucket(r.live)] = tokens.get(live_bucket(r.live), 0) + r.tokens
+        tokens[live_bucket(r.live)] += r.tokens
     fixed_k = int(best_fixed.split("=")[1])
     fixed_s = sum(n * per_token[b][fixed_k] for b, n in tokens.items())
     oracle_s = sum(n * min(per_token[b].values()) for b, n in tokens.items())
-    return {"oracle_vs_best_fixed": fixed_s / oracle_s, "tokens_by_bucket": tokens,
+    return {"oracle_vs_best_fixed": fixed_s / oracle_s, "tokens_by_bucket": dict(tokens),
             "ms_per_token": {b: {str(k): 1e3 * v for k, v in sorted(ks.items())} for b, ks in per_token.items()}}
 
 
