@@ -1,75 +1,181 @@
-"""`WeightSync`: push the policy and the draft into the live rollout engine after each step."""
+"""`WeightSync`: push the policy and the draft into the live rollout engine after each step, and verify it."""
 from __future__ import annotations
 
+import math
+import statistics
 import time
+from collections import deque
 
+import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
 
+from spectrain.errors import SpeculationDeadError, SyncMismatchError
 
-class SpeculationDeadError(RuntimeError):
-    """The engine drafted but accepted nothing after a draft sync: the drafter was lost."""
+# defaults by the trainer's parameter dtype: float32 engines agree to ~1e-7, bf16 ones to ~1e-2
+_LOGPROB_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 5e-2}
+_WEIGHT_RTOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 
 class WeightSync(Callback):
-    """Versioned policy + draft sync, with a liveness check of speculation after draft syncs.
+    """Versioned policy + draft sync; every sync is verified, and so is speculation.
 
-    A drafter lost in the engine (e.g. freed by sleep mode) yields an acceptance length of
-    exactly 1.00 and no error, so after each draft sync the next rollout must accept at least
-    one drafted token once it has seen `min_drafts_for_check` drafts.
+    - After every sync the engine's layers are probed (`VLLMRolloutEngine.verify_weights`):
+      they must compute what the trainer's tensors compute, within `weight_rtol`.
+    - The next rollout's logprobs must equal the trainer's before its first update: the mean
+      absolute difference (`pl_module.engine_logprob_diff`) must stay within `logprob_tolerance`.
+    - A drafter lost in the engine (e.g. freed by sleep mode) yields acceptance length 1.00 and
+      no error. When acceptance after a draft sync collapses (no token accepted, or a gain
+      `length - 1` under `collapse_ratio` x the median of the recent `window` steps), the drafter
+      is probed; if it does not serve the synced draft (or accepted nothing) it is dead.
+
+    A failed check raises (`on_mismatch="raise"`, `on_dead="raise"`) with the sync version, or
+    with `on_mismatch="warn"` warns, counts it (`sync/mismatches`) and re-sends the weights;
+    with `on_dead="disable"` the engine goes on with plain decoding and says so.
 
     Args:
-        check_alive: raise `SpeculationDeadError` when the check fails.
-        min_drafts_for_check: drafts needed before the check is meaningful.
+        check_alive: run the speculation check (needs a draft).
+        on_mismatch: "raise" | "warn".
+        on_dead: "raise" | "disable".
+        logprob_tolerance, weight_rtol: None picks the default of the policy's dtype.
+        collapse_ratio, window: what counts as an acceptance collapse.
+        min_drafts_for_check: drafts a rollout needs before its acceptance says anything.
     """
 
-    def __init__(self, check_alive: bool = True, min_drafts_for_check: int = 20) -> None:
+    def __init__(self, check_alive: bool = True, on_mismatch: str = "raise", on_dead: str = "raise",
+                 logprob_tolerance: float | None = None, weight_rtol: float | None = None,
+                 collapse_ratio: float = 0.5, window: int = 10, min_drafts_for_check: int = 20) -> None:
+        assert on_mismatch in ("raise", "warn") and on_dead in ("raise", "disable"), (on_mismatch, on_dead)
         self.check_alive = check_alive
+        self.on_mismatch, self.on_dead = on_mismatch, on_dead
+        self.logprob_tolerance, self.weight_rtol = logprob_tolerance, weight_rtol
+        self.collapse_ratio = collapse_ratio
         self.min_drafts_for_check = min_drafts_for_check
         self.policy_version = 0
         self.draft_version = 0
-        self._draft_check_pending = False
+        self.mismatches = 0
+        self.speculation_disabled = False
+        self.recent_gains: deque[float] = deque(maxlen=window)
 
+    # hooks ----------------------------------------------------------------------------
     def on_train_start(self, trainer, pl_module) -> None:
         # The engine was started from the exported weights; after a resume the module holds newer ones.
-        self._push(trainer, pl_module, draft=pl_module.draft is not None, log_time=False)
+        if self.speculation_disabled:
+            self._disable_engine_speculation(pl_module)
+        self.push(trainer, pl_module, draft=pl_module.draft is not None)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._verify_speculation(pl_module)
-        self._push(trainer, pl_module, draft=pl_module.trains_draft, log_time=True)
-
-    def _push(self, trainer, pl_module, draft: bool, log_time: bool) -> None:
-        version = trainer.global_step
+        self._check_rollout_logprobs(trainer, pl_module)
+        if self.check_alive and not self.speculation_disabled:
+            self._check_speculation(trainer, pl_module)
         started = time.perf_counter()
-        # every rank gathers (collective under PP); only the rollout rank holds an engine
-        weights = pl_module.policy_weights_for_sync()
-        if pl_module.plan.is_rollout_rank:
-            pl_module.engine.sync_policy(weights, version)
+        self.push(trainer, pl_module, draft=pl_module.trains_draft)
+        pl_module.log_dict({"time/weight_sync": time.perf_counter() - started,
+                            "sync/mismatches": float(self.mismatches)}, on_step=True, batch_size=1)
+
+    # sync -----------------------------------------------------------------------------
+    def push(self, trainer, pl_module, draft: bool) -> None:
+        """Send the policy (and the draft) to the engine as version `global_step`, and verify both.
+
+        Collective under PP: every rank gathers, only the rollout rank holds an engine.
+        """
+        version = trainer.global_step
+        self._sync(trainer, pl_module, "policy", list(pl_module.policy_weights_for_sync()), version)
         self.policy_version = version
         if draft:
-            weights = pl_module.draft_weights_for_sync()
-            if pl_module.plan.is_rollout_rank:
-                pl_module.engine.sync_draft(weights, version)
+            self._sync(trainer, pl_module, "draft", list(pl_module.draft_weights_for_sync()), version)
             self.draft_version = version
-            self._draft_check_pending = self.check_alive
-        if log_time:  # Lightning refuses step metrics in on_train_start
-            pl_module.log("time/weight_sync", time.perf_counter() - started, on_step=True, batch_size=1)
 
-    def _verify_speculation(self, pl_module) -> None:
-        spec = pl_module.rollout_stats.spec if pl_module.rollout_stats else None
-        if not self._draft_check_pending or spec is None or spec.num_drafts < self.min_drafts_for_check:
+    def _sync(self, trainer, pl_module, which: str, weights, version: int, attempt: int = 1) -> None:
+        if pl_module.plan.is_rollout_rank:
+            send = pl_module.engine.sync_policy if which == "policy" else pl_module.engine.sync_draft
+            send(weights, version)
+        problems = self._probe(trainer, pl_module, which, weights)
+        if not problems:
             return
-        self._draft_check_pending = False
-        if spec.num_accepted_tokens == 0:
-            raise SpeculationDeadError(
-                f"after draft sync version {self.draft_version} the engine drafted {spec.num_drafts} times and "
-                f"accepted nothing (mean acceptance length 1.00): the drafter is not the synced draft. Check that "
-                f"the engine was not put to sleep at level 2, that the draft's parameter names match the vLLM "
-                f"EAGLE-3 checkpoint, or disable the check with draft.check_alive=false while debugging."
-            )
+        message = (f"{which} sync version {version}: the engine does not serve the weights the trainer sent "
+                   f"({len(problems)} tensors): {'; '.join(problems[:4])}" + ("; ..." if len(problems) > 4 else ""))
+        self._mismatch(message + ". Check that the parameter names match the engine's checkpoint format and that "
+                       "nothing else reloads the engine; sync.on_mismatch=warn re-sends instead of stopping.")
+        if attempt == 1:
+            self._sync(trainer, pl_module, which, weights, version, attempt=2)
 
+    def _probe(self, trainer, pl_module, which: str, weights) -> list[str]:
+        """Mismatches between the engine's `which` and `weights`, the same list on every rank."""
+        problems = None
+        if pl_module.plan.is_rollout_rank:
+            rtol = self.weight_rtol or _WEIGHT_RTOL.get(_policy_dtype(pl_module), 1e-2)
+            problems = pl_module.engine.verify_weights(weights, which, rtol).mismatches
+        return trainer.strategy.broadcast(problems)
+
+    def _mismatch(self, message: str) -> None:
+        if self.on_mismatch == "raise":
+            raise SyncMismatchError(message)
+        self.mismatches += 1
+        rank_zero_warn(f"[spectrain] {message} (sync.on_mismatch=warn: re-sending)")
+
+    # checks on the rollout --------------------------------------------------------------
+    def _check_rollout_logprobs(self, trainer, pl_module) -> None:
+        """The rollout was sampled from the last synced policy: its logprobs must be the trainer's.
+
+        Under `on_mismatch="warn"` the push that follows this check is the re-sync.
+        """
+        diff = getattr(pl_module, "engine_logprob_diff", math.nan)
+        tolerance = self.logprob_tolerance or _LOGPROB_TOLERANCE.get(_policy_dtype(pl_module), 5e-2)
+        if math.isnan(diff) or diff <= tolerance:
+            return
+        self._mismatch(
+            f"policy sync version {self.policy_version}: the step-{trainer.global_step} rollout's logprobs differ "
+            f"from the trainer's by {diff:.2e} per token on average (sync.logprob_tolerance={tolerance:.0e}): the "
+            f"engine sampled from other weights than the trainer holds. Check the policy's parameter names and "
+            f"dtype against the engine's, or raise sync.logprob_tolerance if they differ on purpose")
+
+    def _check_speculation(self, trainer, pl_module) -> None:
+        spec = pl_module.rollout_stats.spec if pl_module.rollout_stats else None
+        if spec is None or spec.num_drafts < self.min_drafts_for_check:
+            return
+        gain = spec.mean_acceptance_length - 1.0
+        baseline = statistics.median(self.recent_gains) if len(self.recent_gains) >= 3 else None
+        self.recent_gains.append(gain)
+        if spec.num_accepted_tokens > 0 and (baseline is None or gain >= self.collapse_ratio * baseline):
+            return
+        fallen = (f"acceptance length fell to {spec.mean_acceptance_length:.2f} over {spec.num_drafts} drafts"
+                  + ("" if baseline is None else f" (recent median {1 + baseline:.2f})"))
+        problems = self._probe(trainer, pl_module, "draft", list(pl_module.draft_weights_for_sync()))
+        if spec.num_accepted_tokens > 0 and not problems:
+            rank_zero_warn(f"[spectrain] step {trainer.global_step}: {fallen}, but the engine serves the synced draft "
+                           f"(version {self.draft_version}): the draft itself predicts the policy worse now.")
+            return
+        why = "; ".join(problems[:3]) if problems else "it accepted nothing"
+        message = (f"after draft sync version {self.draft_version} {fallen} and the drafter is not the synced draft "
+                   f"({why}). Check that the engine was not put to sleep at level 2 and that the draft's parameter "
+                   f"names match the vLLM EAGLE-3 checkpoint")
+        if self.on_dead == "raise":
+            raise SpeculationDeadError(message + "; draft.on_dead=disable goes on without speculation, "
+                                                 "draft.check_alive=false skips this check.")
+        rank_zero_warn(f"[spectrain] {message}. draft.on_dead=disable: speculation is OFF from step "
+                       f"{trainer.global_step + 1} on; rollouts continue with plain decoding.")
+        self.speculation_disabled = True
+        self._disable_engine_speculation(pl_module)
+
+    @staticmethod
+    def _disable_engine_speculation(pl_module) -> None:
+        if pl_module.plan.is_rollout_rank:
+            pl_module.engine.disable_speculation()
+
+    # checkpoint -----------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"policy_version": self.policy_version, "draft_version": self.draft_version}
+        return {"policy_version": self.policy_version, "draft_version": self.draft_version,
+                "mismatches": self.mismatches, "speculation_disabled": self.speculation_disabled,
+                "recent_gains": list(self.recent_gains)}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.policy_version = state_dict["policy_version"]
         self.draft_version = state_dict["draft_version"]
+        self.mismatches = state_dict.get("mismatches", 0)
+        self.speculation_disabled = state_dict.get("speculation_disabled", False)
+        self.recent_gains.extend(state_dict.get("recent_gains", []))
+
+
+def _policy_dtype(pl_module) -> torch.dtype:
+    return next(pl_module.policy.parameters()).dtype

@@ -1,33 +1,61 @@
-"""`spectrain` command line: fit, show-config, bench, calibrate, export-draft."""
+"""`spectrain` command line: fit, show-config, bench, calibrate.
+
+Every `SpecTrainError` (a bad recipe, run directory, prompt file, engine start...) is printed
+as one line, `error: <message>`, on stderr with exit code 2; `spectrain --debug ...` raises
+it with its traceback instead. A multi-process `fit` checks its inputs before it relaunches
+itself under torchrun, and an error its ranks raise is printed once, by this process, after
+torchrun's own report.
+"""
 from __future__ import annotations
 
 import argparse
 import json
 import os
 import sys
+import tempfile
+from pathlib import Path
 
-from spectrain.config import DEFAULT_RECIPE, ConfigError, load_config, to_yaml
+from spectrain.config import DEFAULT_RECIPE, load_config, to_yaml
+from spectrain.errors import SpecTrainError
 
 BENCHMARKS = ("drift", "cp", "pp", "adaptive")
+ERROR_FILE_ENV = "SPECTRAIN_ERROR_FILE"  # set for the ranks by a relaunching `spectrain fit`: they report to it
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
 
 
 def _fit(args) -> int:
-    from spectrain.trainer import RunDirError, SpecTrainer
+    from spectrain.trainer import SpecTrainer
 
     config = load_config(args.recipe, args.overrides)
     p = config.parallel
     if p.pp * p.dp * p.cp > 1 and "LOCAL_WORLD_SIZE" not in os.environ:  # not under torchrun yet: start it
-        from spectrain.parallel.strategy import relaunch_under_torchrun
-
-        return relaunch_under_torchrun(p.pp * p.dp * p.cp, ["fit", args.recipe, *args.overrides])
-    try:
-        result = SpecTrainer(config).fit()
-    except RunDirError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if int(os.environ.get("RANK", "0")) == 0:
+        SpecTrainer(config).check_inputs()  # a bad input fails here, once, and writes nothing
+        return _relaunch(p.pp * p.dp * p.cp, args)
+    result = SpecTrainer(config).fit()
+    if _rank() == 0:
         print(json.dumps(result.summary(), indent=2))
     return 0
+
+
+def _relaunch(nproc: int, args) -> int:
+    """`fit` as `nproc` processes under torchrun; their errors are printed here, once each."""
+    from spectrain.parallel.strategy import relaunch_under_torchrun
+
+    cli_args = [*(["--debug"] if args.debug else []), "fit", args.recipe, *args.overrides]
+    with tempfile.TemporaryDirectory(prefix="spectrain_errors_") as tmp:
+        errors_path = Path(tmp) / "errors.txt"
+        os.environ[ERROR_FILE_ENV] = str(errors_path)
+        try:
+            code = relaunch_under_torchrun(nproc, cli_args)
+        finally:
+            del os.environ[ERROR_FILE_ENV]
+        errors = errors_path.read_text().splitlines() if errors_path.is_file() else []
+    for message in dict.fromkeys(errors):  # ranks that hit the same error report it once
+        print(f"error: {message}", file=sys.stderr)
+    return 2 if errors else code
 
 
 def _show_config(args) -> int:
@@ -37,14 +65,8 @@ def _show_config(args) -> int:
 
 def _calibrate(args) -> int:
     from spectrain.rollout.adaptive import calibrate
-    from spectrain.trainer import RunDirError
 
-    config = load_config(args.recipe, args.overrides)
-    try:
-        result, path = calibrate(config)
-    except RunDirError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    result, path = calibrate(load_config(args.recipe, args.overrides))
     for n, t, per in zip(result.token_counts, result.times_s, result.per_token_s):
         print(f"  {n:5d} tokens/step  {1e3 * t:8.2f} ms  {1e6 * per:8.1f} us/token")
     note = "" if result.compute_bound_reached else " (the fitted counts start below C: extend the sweep; the slope, and so C, may be off)"
@@ -57,8 +79,29 @@ def _bench(args) -> int:
     return module.main(args.overrides) or 0
 
 
+def report_error(exc: SpecTrainError) -> None:
+    """`error: <message>` as one line on stderr, once per run however many ranks raise it.
+
+    A rank other than 0 stays quiet about an error rank 0 reports too (`SpecTrainer` marks
+    those it re-raises from rank 0); under a relaunching `spectrain fit` every rank hands its
+    message to the parent, which prints each distinct one.
+    """
+    rank = _rank()
+    if rank != 0 and getattr(exc, "reported_by_rank_zero", False):
+        return
+    message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    errors_path = os.environ.get(ERROR_FILE_ENV)
+    if errors_path:
+        with open(errors_path, "a") as f:
+            f.write(message + "\n")
+    else:
+        print(f"error: {'' if rank == 0 else f'rank {rank}: '}{message}", file=sys.stderr)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="spectrain", description=__doc__)
+    parser = argparse.ArgumentParser(prog="spectrain", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true",
+                        help="raise errors with their traceback instead of printing one line")
     sub = parser.add_subparsers(dest="command", required=True)
     fit = sub.add_parser("fit", help="run GRPO with online draft co-training from a recipe")
     show = sub.add_parser("show-config", help="print the fully resolved config of a recipe")
@@ -81,8 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
+    except SpecTrainError as exc:
+        if args.debug:
+            raise
+        report_error(exc)
         return 2
 
 

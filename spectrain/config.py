@@ -8,6 +8,7 @@ rejects impossible values before any work starts. Every error names the key and 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -16,11 +17,10 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from spectrain.errors import ConfigError
+from spectrain.rl.rewards import REWARD_FNS
+
 DEFAULT_RECIPE = "tiny_cpu"
-
-
-class ConfigError(ValueError):
-    """A recipe or override is wrong; the message names the key and how to fix it."""
 
 
 @dataclass
@@ -66,6 +66,7 @@ class RolloutConfig:
     kv_cache_gib: float = 1.0
     eval_prompts: int = 128
     eval_samples: int = 8  # sampled completions per held-out prompt
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict)  # extra vllm.LLM arguments (e.g. num_gpu_blocks_override)
 
 
 @dataclass
@@ -91,7 +92,9 @@ class DraftConfig:
     every_n_steps: int = 1
     pass_decay: float = 0.8
     warmup_steps: int = 0  # offline draft warm-up on the warm-started policy before RL
-    check_alive: bool = True
+    check_alive: bool = True  # after each draft sync: acceptance must not collapse (see `collapse_ratio`)
+    collapse_ratio: float = 0.5  # acceptance gain (length - 1) below this share of the recent median: check the drafter
+    on_dead: str = "raise"  # raise | disable: a lost drafter stops the run, or the run goes on without speculation
 
 
 PP_STAGES_PER_RANK = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2}  # pipeline schedules and their stages per rank
@@ -152,6 +155,13 @@ class TrainerConfig:
 
 
 @dataclass
+class SyncConfig:
+    on_mismatch: str = "raise"  # raise | warn: an engine that does not serve the synced weights stops the run, or is re-synced
+    logprob_tolerance: float | None = None  # mean |trainer - engine| logprob of a rollout; None: 1e-3 float32, 5e-2 bf16
+    weight_rtol: float | None = None  # relative error of the weight probe; None: 1e-4 float32, 1e-2 bf16
+
+
+@dataclass
 class SpecTrainConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -161,6 +171,7 @@ class SpecTrainConfig:
     draft: DraftConfig = field(default_factory=DraftConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
@@ -213,10 +224,26 @@ def _merge(base: DictConfig, layer: DictConfig, origin: str) -> DictConfig:
     try:
         return OmegaConf.merge(base, layer)
     except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None) or "?"
-        raise ConfigError(f"{origin}: bad value for '{key}': {_first_line(exc)}. "
+        key = getattr(exc, "full_key", None) or _mistyped_section(base, layer)
+        raise ConfigError(f"{origin}: bad value for '{key}': {_merge_reason(exc)}. "
                           f"Check the key's spelling and type against spectrain/config.py "
                           f"(`spectrain show-config` prints every key with its default)") from exc
+
+
+def _mistyped_section(base: DictConfig, layer: DictConfig) -> str:
+    """The top-level key the layer gives a plain value where the schema has a section (omegaconf names none)."""
+    return next((str(k) for k in layer if isinstance(base.get(k), DictConfig) and not isinstance(layer[k], DictConfig)),
+                "?")
+
+
+def _merge_reason(exc: OmegaConfBaseException) -> str:
+    """omegaconf's reason, in the recipe's terms where it speaks of its own node classes."""
+    text = _first_line(exc)
+    if "is not a ListConfig" in text:
+        return "expected a list, e.g. [1, 2, 3] (quoted in the shell: 'key=[1,2,3]')"
+    if "is not a subclass of" in text:
+        return "this is a section of keys, not a single value (set its keys, e.g. section.key=value)"
+    return text
 
 
 def _leaf_keys(node: DictConfig, prefix: str = "") -> set[str]:
@@ -265,6 +292,19 @@ def to_yaml(config: SpecTrainConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(config))
 
 
+def _flat(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for name, value in tree.items():
+        flat.update(_flat(value, f"{prefix}{name}.") if isinstance(value, dict) else {f"{prefix}{name}": value})
+    return flat
+
+
+def describe_differences(before: dict, now: dict) -> str:
+    """`key: A before, B now` for every dotted key whose value differs, for refusal messages."""
+    old, new = _flat(before), _flat(now)
+    keys = sorted(k for k in old.keys() | new.keys() if old.get(k, "(absent)") != new.get(k, "(absent)"))
+    return ", ".join(f"{k}: {old.get(k, '(absent)')} before, {new.get(k, '(absent)')} now" for k in keys)
+
 def _require(ok: bool, key: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"{key}: {message}")
@@ -298,74 +338,161 @@ def _check_pipeline(c: SpecTrainConfig) -> None:
              f"parallel.microbatches or grpo.minibatches, or send more")
 
 
-def validate(c: SpecTrainConfig) -> None:
-    """Reject impossible values before any work starts."""
-    p, r, d = c.policy, c.rollout, c.draft
+# sizes and counts that anything downstream divides by, loops over or allocates from
+_AT_LEAST_ONE = (
+    "policy.hidden_size", "policy.intermediate_size", "policy.num_hidden_layers", "policy.num_attention_heads",
+    "policy.num_key_value_heads", "policy.max_position_embeddings", "task.digits", "sft.batch_size",
+    "rollout.prompts_per_step", "rollout.max_new_tokens", "rollout.max_model_len", "rollout.eval_prompts",
+    "grpo.minibatches", "grpo.epochs", "draft.num_speculative_tokens", "draft.ttt_steps", "draft.every_n_steps",
+    "parallel.dp", "parallel.cp", "parallel.pp", "parallel.microbatches", "speculation.bandit.window",
+    "speculation.bandit.min_plays", "speculation.long_tail.threshold", "trainer.log_every_n_steps",
+    "trainer.checkpoint_every_n_steps",
+)
+_AT_LEAST_ZERO = ("draft.warmup_steps", "grpo.kl_beta", "grpo.weight_decay", "speculation.long_tail.max_steps",
+                  "trainer.max_steps", "trainer.eval_every_n_steps")
+_POSITIVE = ("sft.lr", "grpo.lr", "grpo.clip_eps", "grpo.adv_eps", "grpo.grad_clip", "draft.lr", "draft.grad_clip")
+_MAX_SEED = 2**32 - 1  # Lightning's seed_everything accepts 0..2^32-1
+
+
+def _value(c: SpecTrainConfig, key: str) -> Any:
+    return functools.reduce(getattr, key.split("."), c)
+
+
+def _check_ranges(c: SpecTrainConfig) -> None:
+    """The plain bounds, first: later checks divide by these values."""
+    for key in _AT_LEAST_ONE:
+        _require(_value(c, key) >= 1, key, f"is {_value(c, key)}; it must be >= 1")
+    for key in _AT_LEAST_ZERO:
+        _require(_value(c, key) >= 0, key, f"is {_value(c, key)}; it must be >= 0")
+    for key in _POSITIVE:
+        _require(_value(c, key) > 0, key, f"is {_value(c, key)}; it must be > 0 (e.g. the default "
+                                          f"{_value(SpecTrainConfig(), key)})")
+
+
+def _check_policy(c: SpecTrainConfig) -> None:
+    p = c.policy
     _require(p.num_attention_heads % p.num_key_value_heads == 0, "policy.num_key_value_heads",
              f"num_attention_heads={p.num_attention_heads} must be a multiple of it")
     _require(p.hidden_size % p.num_attention_heads == 0, "policy.hidden_size",
              f"must be divisible by num_attention_heads={p.num_attention_heads}")
-    _require(p.num_hidden_layers >= 1, "policy.num_hidden_layers", "must be >= 1")
+    head_dim = p.hidden_size // p.num_attention_heads
+    _require(head_dim % 2 == 0, "policy.hidden_size", f"hidden_size / num_attention_heads = {head_dim} must be even "
+             f"(rotary embeddings rotate pairs of dimensions)")
+    _require(c.rollout.max_model_len <= p.max_position_embeddings, "rollout.max_model_len",
+             f"{c.rollout.max_model_len} exceeds policy.max_position_embeddings={p.max_position_embeddings}; "
+             f"raise the latter or lower the former")
+
+
+def _check_task(c: SpecTrainConfig) -> None:
+    t = c.task
+    _one_of(t.name, "task.name", ("arithmetic", "jsonl"))
+    _one_of(t.on_bad_row, "task.on_bad_row", ("skip", "error"))
+    _require(t.name != "jsonl" or bool(t.path), "task.path", "task.name=jsonl needs task.path=/path/to/prompts.jsonl")
+    _require(t.operands >= 2, "task.operands", f"is {t.operands}; an arithmetic prompt needs >= 2 operands")
+    _one_of(t.reward, "task.reward", tuple(sorted(REWARD_FNS)))
+    _require(0 <= t.partial_credit < 1, "task.partial_credit",
+             f"is {t.partial_credit}; it must be in [0, 1): a wrong answer must score below a right one")
+    _require(not c.sft.enabled or c.sft.steps >= 1, "sft.steps",
+             f"is {c.sft.steps}; it must be >= 1 (set sft.enabled=false to skip the warm start)")
+
+
+def _check_rollout(c: SpecTrainConfig) -> None:
+    r = c.rollout
     _require(r.group_size >= 2, "rollout.group_size",
              f"is {r.group_size}; GRPO normalises rewards within a group, so it needs >= 2 samples per prompt")
-    _require(r.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1")
-    _require(r.eval_prompts >= 1 and r.eval_samples >= 2, "rollout.eval_prompts/eval_samples",
-             "need eval_prompts >= 1 and eval_samples >= 2 (the standard error needs two samples)")
-    _require(c.trainer.eval_every_n_steps >= 0, "trainer.eval_every_n_steps", "must be >= 0 (0 turns it off)")
-    _require(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
-    _require(r.temperature >= 0, "rollout.temperature", "must be >= 0")
-    _require(0 < r.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
-    _require(r.max_model_len <= p.max_position_embeddings, "rollout.max_model_len",
-             f"{r.max_model_len} exceeds policy.max_position_embeddings={p.max_position_embeddings}; "
-             f"raise the latter or lower the former")
-    _require(c.grpo.clip_eps > 0, "grpo.clip_eps", "must be > 0")
-    _require(c.grpo.kl_beta >= 0, "grpo.kl_beta", "must be >= 0")
-    _require(c.grpo.kl_beta == 0 or (c.parallel.cp == 1 and c.parallel.pp == 1), "grpo.kl_beta",
+    _require(r.eval_samples >= 2, "rollout.eval_samples",
+             f"is {r.eval_samples}; the held-out standard error needs >= 2 samples per prompt")
+    _require(r.temperature > 0, "rollout.temperature",
+             f"is {r.temperature}; GRPO needs sampling (greedy decoding gives a group identical completions and "
+             f"so no advantage): use a temperature > 0, e.g. 1.0")
+    _require(0 < r.top_p <= 1, "rollout.top_p", f"is {r.top_p}; it must be in (0, 1]")
+    _require(r.kv_cache_gib > 0, "rollout.kv_cache_gib",
+             f"is {r.kv_cache_gib}; give the vLLM KV cache size in GiB, > 0 (fractions are honoured, e.g. 0.5)")
+
+
+def _check_grpo(c: SpecTrainConfig) -> None:
+    g, r, par = c.grpo, c.rollout, c.parallel
+    _require(g.kl_beta == 0 or (par.cp == 1 and par.pp == 1), "grpo.kl_beta",
              "the KL term needs whole documents on one rank: set parallel.cp=1 and parallel.pp=1, or grpo.kl_beta=0")
-    _require(c.grpo.epochs >= 1, "grpo.epochs", "must be >= 1")
     docs = r.prompts_per_step * r.group_size
-    _require(1 <= c.grpo.minibatches * c.parallel.dp <= docs, "grpo.minibatches",
-             f"times parallel.dp={c.parallel.dp} must be in [1, prompts_per_step * group_size = {docs}]: "
+    _require(g.minibatches * par.dp <= docs, "grpo.minibatches",
+             f"times parallel.dp={par.dp} must be in [1, prompts_per_step * group_size = {docs}]: "
              f"every data-parallel rank needs at least one completion per minibatch")
-    _one_of(c.task.name, "task.name", ("arithmetic", "jsonl"))
-    _one_of(c.task.on_bad_row, "task.on_bad_row", ("skip", "error"))
-    _require(c.task.name != "jsonl" or bool(c.task.path), "task.path",
-             "task.name=jsonl needs task.path=/path/to/prompts.jsonl")
-    _require(c.task.digits >= 1 and c.task.operands >= 2, "task.digits/task.operands",
-             "need digits >= 1 and operands >= 2")
+
+
+def _check_draft(c: SpecTrainConfig) -> None:
+    d, layers = c.draft, c.policy.num_hidden_layers
     _one_of(d.mode, "draft.mode", ("cotrained", "frozen", "none"))
-    _require(d.num_speculative_tokens >= 1, "draft.num_speculative_tokens", "must be >= 1")
-    _require(d.ttt_steps >= 1, "draft.ttt_steps", "must be >= 1")
-    _require(d.every_n_steps >= 1, "draft.every_n_steps", "must be >= 1")
-    _require(0 < d.pass_decay <= 1, "draft.pass_decay", "must be in (0, 1]")
+    _require(0 < d.pass_decay <= 1, "draft.pass_decay", f"is {d.pass_decay}; it must be in (0, 1]")
     if d.aux_layer_ids is not None:
-        bad = [i for i in d.aux_layer_ids if not 0 <= i < p.num_hidden_layers]
+        bad = [i for i in d.aux_layer_ids if not 0 <= i < layers]
         _require(not bad and len(d.aux_layer_ids) == 3, "draft.aux_layer_ids",
-                 f"{list(d.aux_layer_ids)} must be 3 layer ids in 0..{p.num_hidden_layers - 1}")
+                 f"{list(d.aux_layer_ids)} must be 3 layer ids in 0..{layers - 1}, e.g. draft.aux_layer_ids=[0,1,2]")
     elif d.mode != "none":
-        _require(p.num_hidden_layers >= 4, "policy.num_hidden_layers",
+        _require(layers >= 4, "policy.num_hidden_layers",
                  "EAGLE-3's default aux layers (2, n//2, n-3) need >= 4 layers; set draft.aux_layer_ids")
-    par = c.parallel
-    for key in ("dp", "cp", "pp", "microbatches"):
-        _require(getattr(par, key) >= 1, f"parallel.{key}", "must be >= 1")
-    _one_of(par.pp_schedule, "parallel.pp_schedule", tuple(PP_STAGES_PER_RANK))
-    if par.pp > 1:
+
+
+def _check_parallel(c: SpecTrainConfig) -> None:
+    _one_of(c.parallel.pp_schedule, "parallel.pp_schedule", tuple(PP_STAGES_PER_RANK))
+    if c.parallel.pp > 1:
         _check_pipeline(c)
-    _one_of(c.speculation.mode, "speculation.mode", ("fixed", "concurrency", "bandit"))
-    _require(0 <= c.speculation.bandit.epsilon <= 1, "speculation.bandit.epsilon", "must be in [0, 1]")
-    _require(c.speculation.mode == "fixed" or d.mode != "none", "speculation.mode",
-             f"'{c.speculation.mode}' adapts the draft's k, but draft.mode=none; use speculation.mode=fixed")
-    _require(c.speculation.mode != "bandit" or all(0 <= k <= d.num_speculative_tokens for k in c.speculation.bandit.arms),
-             "speculation.bandit.arms", f"{list(c.speculation.bandit.arms)} must be in 0..draft.num_speculative_tokens="
-             f"{d.num_speculative_tokens} (the engine's k_max)")
-    lt = c.speculation.long_tail
-    if lt.enabled:
+
+
+def _check_speculation(c: SpecTrainConfig) -> None:
+    s, d, par = c.speculation, c.draft, c.parallel
+    b = s.bandit
+    _one_of(s.mode, "speculation.mode", ("fixed", "concurrency", "bandit"))
+    _require(s.verify_budget is None or s.verify_budget >= 1, "speculation.verify_budget",
+             f"is {s.verify_budget}; it must be >= 1 tokens, or null to read the run's calibration")
+    _require(0 <= b.epsilon <= 1, "speculation.bandit.epsilon", f"is {b.epsilon}; it must be in [0, 1]")
+    _require(b.min_plays <= b.window, "speculation.bandit.min_plays",
+             f"is {b.min_plays}; it must be <= speculation.bandit.window={b.window}")
+    edges = [1, *b.bucket_edges]
+    _require(all(lo < hi for lo, hi in zip(edges, edges[1:])), "speculation.bandit.bucket_edges",
+             f"{list(b.bucket_edges)} must be strictly increasing batch sizes > 1, e.g. [4, 16, 64]")
+    _require(s.mode == "fixed" or d.mode != "none", "speculation.mode",
+             f"'{s.mode}' adapts the draft's k, but draft.mode=none; use speculation.mode=fixed")
+    if s.mode == "bandit":
+        _require(len(b.arms) >= 1 and len(set(b.arms)) == len(b.arms), "speculation.bandit.arms",
+                 f"{list(b.arms)} must list one or more distinct k values, e.g. [1, 2, 3]")
+        _require(all(0 <= k <= d.num_speculative_tokens for k in b.arms), "speculation.bandit.arms",
+                 f"{list(b.arms)} must be in 0..draft.num_speculative_tokens={d.num_speculative_tokens} "
+                 f"(the engine's k_max)")
+    if s.long_tail.enabled:
         _require(d.mode == "cotrained", "speculation.long_tail.enabled", f"spot training trains the draft, but "
                  f"draft.mode={d.mode}; set draft.mode=cotrained or disable the long tail")
         _require(par.dp * par.cp * par.pp == 1, "speculation.long_tail.enabled",
                  "spot training runs on the rollout process only; use it with parallel.dp=cp=pp=1")
-        _require(lt.threshold >= 1 and lt.max_steps >= 0, "speculation.long_tail",
-                 "needs threshold >= 1 and max_steps >= 0")
-    _one_of(c.trainer.resume, "trainer.resume", ("auto", "never"))
-    _one_of(c.trainer.logger, "trainer.logger", ("csv", "tensorboard"))
-    _require(c.trainer.max_steps >= 0, "trainer.max_steps", "must be >= 0")
+
+
+def _check_trainer(c: SpecTrainConfig) -> None:
+    t = c.trainer
+    _one_of(t.resume, "trainer.resume", ("auto", "never"))
+    _one_of(t.logger, "trainer.logger", ("csv", "tensorboard"))
+    _require(0 <= t.seed <= _MAX_SEED, "trainer.seed", f"is {t.seed}; it must be in 0..{_MAX_SEED}")
+    _require(bool(t.run_dir.strip()), "trainer.run_dir", "is empty; give the run's directory, e.g. runs/my_run")
+    _require(t.warmstart_dir is None or bool(t.warmstart_dir.strip()), "trainer.warmstart_dir",
+             "is empty; give a directory, or null for <run_dir>/warmstart")
+    _require(t.warmstart_dir is None or Path(t.warmstart_dir).resolve() != Path(t.run_dir).resolve(),
+             "trainer.warmstart_dir", "is the run directory itself; use a directory of its own, or null for "
+             "<run_dir>/warmstart")
+    for i, callback in enumerate(t.callbacks):
+        _require("." in callback.target, f"trainer.callbacks[{i}].target",
+                 f"'{callback.target}' must be the full import path of a lightning Callback class, "
+                 f"e.g. my_pkg.callbacks.MyCallback")
+
+
+def validate(c: SpecTrainConfig) -> None:
+    """Reject impossible values before any work starts; every message names the key and the fix."""
+    _check_ranges(c)
+    for check in (_check_policy, _check_task, _check_rollout, _check_grpo, _check_draft, _check_parallel,
+                  _check_speculation, _check_trainer):
+        check(c)
+    d = c.draft
+    _one_of(d.on_dead, "draft.on_dead", ("raise", "disable"))
+    _require(0 < d.collapse_ratio < 1, "draft.collapse_ratio", "must be in (0, 1)")
+    _one_of(c.sync.on_mismatch, "sync.on_mismatch", ("raise", "warn"))
+    for key in ("logprob_tolerance", "weight_rtol"):
+        value = getattr(c.sync, key)
+        _require(value is None or value > 0, f"sync.{key}", f"must be > 0 (or null for the dtype's default), got {value}")

@@ -2,7 +2,8 @@
 
 The warm-up trains the draft on the warm-started policy's own teacher-forced forward over
 the task's worked answers (the same TTT loss as online co-training), so speculation is
-alive from the first rollout. Cached in `<run_dir>/warmstart/draft` like the SFT policy.
+alive from the first rollout. Cached in `<run_dir>/warmstart/draft` like the SFT policy (and as
+immutable: spectrain/warmstart.py `cached`).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tqdm.auto import tqdm
 
 from spectrain.models.eagle3 import Eagle3Config, Eagle3Draft, export_draft, load_draft, ttt_loss
 from spectrain.models.llama import LlamaForCausalLM
-from spectrain.warmstart import examples_to_batch
+from spectrain.warmstart import CACHE_META, cached, examples_to_batch, writing_cache
 
 
 def build_draft(config, policy: LlamaForCausalLM) -> Eagle3Draft:
@@ -51,22 +52,31 @@ def warm_up_draft(draft: Eagle3Draft, policy: LlamaForCausalLM, source, tokenize
     return losses
 
 
-def build_and_warm_up_draft(config, policy: LlamaForCausalLM, source, tokenizer, cache_root: Path) -> Eagle3Draft:
-    d = config.draft
-    cache = cache_root / "draft"
-    # the mode (co-trained / frozen) does not change the warm-up: runs that differ only in it share it
-    draft_settings = {k: v for k, v in asdict(d).items()
+def draft_cache_key(config) -> dict:
+    """Everything the warmed-up draft depends on.
+
+    Not `draft.mode` (co-trained / frozen) nor `draft.num_speculative_tokens`: they do not
+    change the warm-up, so runs that differ only in them share it.
+    """
+    draft_settings = {k: v for k, v in asdict(config.draft).items()
                       if k in ("aux_layer_ids", "lr", "warmup_steps", "ttt_steps", "pass_decay")}
-    settings = {"draft": draft_settings, "policy": asdict(config.policy), "sft": asdict(config.sft),
-                "task": asdict(config.task), "seed": config.trainer.seed}
-    meta_path = cache / "meta.json"
-    if meta_path.is_file() and json.loads(meta_path.read_text()).get("settings") == settings:
+    return {"draft": draft_settings, "policy": asdict(config.policy), "sft": asdict(config.sft),
+            "task": asdict(config.task), "seed": config.trainer.seed}
+
+
+def build_and_warm_up_draft(config, policy: LlamaForCausalLM, source, tokenizer, cache_root: Path) -> Eagle3Draft:
+    """The draft from `<cache_root>/draft` if it was warmed up under these settings, else built (and cached)."""
+    d = config.draft
+    cache, key = cache_root / "draft", draft_cache_key(config)
+    if cached(cache, key, "draft warm-up"):
         return load_draft(cache)
     draft = build_draft(config, policy)
     losses = []
     if d.warmup_steps > 0:
         losses = warm_up_draft(draft, policy, source, tokenizer, d.warmup_steps, config.sft.batch_size, d.lr,
                                d.ttt_steps, d.pass_decay, config.trainer.seed, config.trainer.progress_bar)
-    export_draft(draft, cache, policy.cfg)
-    meta_path.write_text(json.dumps({"settings": settings, "final_loss": losses[-1] if losses else None}, indent=2))
+    with writing_cache(cache) as scratch:
+        export_draft(draft, scratch, policy.cfg)
+        (scratch / CACHE_META).write_text(json.dumps({"settings": key, "final_loss": losses[-1] if losses else None},
+                                                     indent=2))
     return draft

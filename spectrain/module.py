@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import copy
 import time
+import zlib
 from dataclasses import dataclass, replace
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 from spectrain.config import SpecTrainConfig
 from spectrain.models.llama import LlamaForCausalLM
 from spectrain.parallel.plan import DraftInputs, LocalPlan, TrainPlan, ttt_valid_tokens
 from spectrain.rl.batch import RolloutBatch, build_rollout_batch
 from spectrain.rl.grpo import group_advantages, grpo_loss, minibatch_documents, token_logprobs
-from spectrain.rollout.base import Completion, RolloutEngine, SamplingConfig, SpecDecodeCounters
+from spectrain.rollout.base import Completion, LoadStats, RolloutEngine, SamplingConfig, SpecDecodeCounters
 from spectrain.rollout.adaptive import (
     LongTailTrainer,
     SpecController,
@@ -39,6 +41,7 @@ class RolloutStats:
     num_sequences: int
     num_tokens: int
     spec: SpecDecodeCounters  # this rollout's delta of the engine's counters
+    load: LoadStats  # preemptions and peak running/waiting sequences during this rollout
 
     @property
     def tokens_per_second(self) -> float:
@@ -64,6 +67,9 @@ class GRPOModule(L.LightningModule):
         self.speculation: SpecController | None = None  # built on the first rollout (adaptive modes)
         self._speculation_state: dict | None = None  # from a checkpoint, until the controller exists
         self.step_loop_metrics: dict[str, float] = {}  # of the last training rollout
+        self._warned_preemption = False
+        # mean |trainer - engine| logprob of the last step's response tokens, over all ranks (NaN: none yet)
+        self.engine_logprob_diff: float = float("nan")
 
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:
@@ -107,20 +113,27 @@ class GRPOModule(L.LightningModule):
         return SamplingConfig(n=n, max_tokens=r.max_new_tokens, temperature=0.0 if greedy else r.temperature,
                               top_p=r.top_p)
 
-    def rollout(self, examples, n: int, greedy: bool = False) -> tuple[list[Completion], torch.Tensor, RolloutStats]:
-        """Generate `n` samples per prompt on the rollout rank, score them, share with every rank."""
+    def rollout(self, examples, n: int, greedy: bool = False,
+                train_in_tail: bool = False) -> tuple[list[Completion], torch.Tensor, RolloutStats]:
+        """Generate `n` samples per prompt on the rollout rank, score them, share with every rank.
+
+        `train_in_tail` lets long-tail spot steps train the draft during it: training rollouts only
+        (an evaluation must not change the draft, and runs without gradients).
+        """
         result = None
         if self.plan.is_rollout_rank:
             assert self.engine is not None, "no rollout engine attached: use SpecTrainer, or set module.engine"
             prompts = [self.tokenizer.encode(ex.prompt) for ex in examples]
             before = self.engine.spec_decode_counters()
+            self.engine.take_load_stats()  # from here on: this rollout's
             started = time.perf_counter()
-            completions = self.generate_rollout(prompts, self.sampling_config(n, greedy), train_in_tail=not greedy)
+            completions = self.generate_rollout(prompts, self.sampling_config(n, greedy), train_in_tail)
             seconds = time.perf_counter() - started
             spec = self.engine.spec_decode_counters() - before
             rewards = torch.tensor([self.reward_fn(self.tokenizer.decode(c.token_ids), examples[c.prompt_index].answer)
                                     for c in completions], dtype=torch.float32)
-            stats = RolloutStats(seconds, len(completions), sum(len(c.token_ids) for c in completions), spec)
+            stats = RolloutStats(seconds, len(completions), sum(len(c.token_ids) for c in completions), spec,
+                                 self.engine.take_load_stats())
             result = (completions, rewards, stats)
         return self.plan.share(result)
 
@@ -129,6 +142,7 @@ class GRPOModule(L.LightningModule):
         """Mean reward on held-out `examples`: greedy, and `samples` per prompt sampled as in training
         (what GRPO optimises), with the sampled mean's standard error (std / sqrt(n): an upper bound
         on the sampling noise, since the prompts are fixed)."""
+        self.seed_sampling("eval")
         _, greedy, _ = self.rollout(examples, n=1, greedy=True)
         _, sampled, _ = self.rollout(examples, n=samples)
         return {"greedy_reward": float(greedy.mean()), "sampled_reward": float(sampled.mean()),
@@ -172,9 +186,19 @@ class GRPOModule(L.LightningModule):
         if self.speculation is not None and self._speculation_state:
             self.speculation.load_state_dict(self._speculation_state)
 
+    def seed_sampling(self, purpose: str) -> None:
+        """Re-seed torch's global RNG from (seed, purpose, step) before a rollout.
+
+        The in-process vLLM engine samples from it, weight syncs advance it, and no checkpoint
+        holds it: seeded per rollout, a resumed run samples exactly what the uninterrupted one did.
+        """
+        torch.manual_seed(zlib.crc32(f"{self.config.trainer.seed}:{purpose}:{self.global_step}".encode()))
+
     def training_step(self, examples, batch_idx):
         g = self.config.grpo
-        completions, rewards, self.rollout_stats = self.rollout(examples, self.config.rollout.group_size)
+        self.seed_sampling("train")
+        completions, rewards, self.rollout_stats = self.rollout(examples, self.config.rollout.group_size,
+                                                                 train_in_tail=True)
         assert all(len(c.logprobs) == len(c.token_ids) for c in completions), (
             "the rollout engine must return each sampled token's logprob: they are GRPO's old policy")
         batch = build_rollout_batch(completions, group_advantages(rewards, self.config.rollout.group_size, g.adv_eps))
@@ -195,13 +219,21 @@ class GRPOModule(L.LightningModule):
         first = results[0]  # before any update: the engine served exactly this policy
         mismatch = (first.logprobs - first.batch.rollout_logprobs).abs()[first.batch.response_mask]
         mean = lambda key: torch.stack([s[key] for s in stats]).mean()  # noqa: E731
+        # Each rank holds a share of the step's tokens (its dp slice, its cp shard; under pp only the last
+        # stage has any). clip_fraction and kl are shares normalised by the global token count and the
+        # mismatch sums add up, so the sum over ranks is the step's value on every rank (float64 everywhere:
+        # one dtype per collective).
+        clip_fraction, kl, diff_sum, diff_count = self.trainer.strategy.reduce(torch.stack([
+            mean("clip_fraction").double(), mean("kl").double(), mismatch.double().sum(),
+            torch.tensor(mismatch.numel(), dtype=torch.float64)]), reduce_op="sum").tolist()
+        self.engine_logprob_diff = diff_sum / diff_count if diff_count else float("nan")
         self.log_dict({
             "reward": rewards.mean(),
             "policy/loss": mean("loss"),
             "policy/grad_norm": mean("grad_norm"),
-            "policy/clip_fraction": mean("clip_fraction"),
-            "policy/kl": mean("kl"),
-            "policy/engine_logprob_diff": mismatch.mean() if mismatch.numel() else torch.tensor(0.0),
+            "policy/clip_fraction": clip_fraction,
+            "policy/kl": kl,
+            "policy/engine_logprob_diff": self.engine_logprob_diff,
             "rollout/tokens_per_s": self.rollout_stats.tokens_per_second,
             "rollout/seconds": self.rollout_stats.seconds,
             "rollout/mean_response_len": batch.num_response_tokens / batch.num_docs,
@@ -209,7 +241,20 @@ class GRPOModule(L.LightningModule):
         self.log("reward_mean", rewards.mean(), prog_bar=True, on_step=True, batch_size=len(examples), logger=False)
         if self.step_loop_metrics:
             self.log_dict(self.step_loop_metrics, on_step=True, batch_size=1)
+        self.log_rollout_load(self.rollout_stats.load)
         return mean("loss")
+
+    def log_rollout_load(self, load: LoadStats) -> None:
+        """Queueing and preemption in the engine; warns once when it preempts (a KV cache too small)."""
+        self.log_dict({"rollout/preemptions": float(load.preemptions), "rollout/max_running": float(load.max_running),
+                       "rollout/max_waiting": float(load.max_waiting)}, on_step=True, batch_size=1)
+        if load.preemptions and not self._warned_preemption:
+            self._warned_preemption = True
+            rank_zero_warn(
+                f"[spectrain] vLLM preempted {load.preemptions} sequences in the step-{self.global_step} rollout (at most "
+                f"{load.max_running} ran at once, {load.max_waiting} waited): its KV cache does not hold "
+                f"rollout.prompts_per_step x rollout.group_size sequences, so it evicts and recomputes them (slow). "
+                f"Raise rollout.kv_cache_gib, or lower rollout.prompts_per_step. Logged per step as rollout/preemptions.")
 
     def policy_update(self, part: RolloutBatch, capture: tuple[int, ...], last: bool):
         """One clipped policy-gradient update on `part` of the rollout.

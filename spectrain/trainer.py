@@ -6,7 +6,9 @@ task, the models or the engine; extra callbacks come from the config
 """
 from __future__ import annotations
 
+import csv
 import importlib
+import importlib.util
 import json
 import math
 import random
@@ -23,20 +25,17 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch.utils.data import DataLoader, IterableDataset
 
-from spectrain.config import ConfigError, SpecTrainConfig, to_yaml
+from spectrain.config import SpecTrainConfig, describe_differences, to_yaml
+from spectrain.errors import ConfigError, RunDirError
 from spectrain.models.hf_io import save_pretrained
 from spectrain.models.llama import LlamaConfig, LlamaForCausalLM
 from spectrain.module import GRPOModule
 from spectrain.parallel.mesh import world_size
 from spectrain.rl.rewards import get_reward_fn
 from spectrain.rollout.base import RolloutEngine
-from spectrain.warmstart import warm_start_policy
+from spectrain.warmstart import cached, policy_cache_key, warm_start_policy
 
 RUN_MARKER = "spectrain_run.json"
-
-
-class RunDirError(RuntimeError):
-    """The run directory cannot be used without losing somebody's data."""
 
 
 class PromptStream(IterableDataset):
@@ -92,6 +91,10 @@ class SpecTrainer:
         self.module: GRPOModule | None = None
         self.trainer: L.Trainer | None = None
         self.strategy = None  # SpecParallelStrategy when the run spans processes (build_strategy)
+        self.tokenizer = None  # these four: build_inputs
+        self.source = None
+        self._reward_fn = None
+        self.recipe_callbacks: list[Callback] = []  # trainer.callbacks, constructed
 
     # hooks users override ---------------------------------------------------------------
     def build_tokenizer(self):
@@ -132,12 +135,17 @@ class SpecTrainer:
         return build_and_warm_up_draft(self.config, policy, self.source, self.tokenizer, self.warmstart_dir)
 
     def build_rollout_engine(self, policy_dir: Path, draft_dir: Path | None) -> RolloutEngine:
+        """The vLLM engine; adaptive speculation modes start it able to change `k` at runtime, with a
+        verify budget measured first if the run has none."""
+        from spectrain.rollout.adaptive import engine_spec_schedule, ensure_verify_budget
         from spectrain.rollout.vllm_engine import VLLMRolloutEngine
 
+        ensure_verify_budget(self.config, policy_dir, self.run_dir)
         r, d = self.config.rollout, self.config.draft
         return VLLMRolloutEngine(policy_dir, draft_dir, num_speculative_tokens=d.num_speculative_tokens,
-                                 max_model_len=r.max_model_len, kv_cache_gib=r.kv_cache_gib,
-                                 seed=self.config.trainer.seed)
+                                 spec_schedule=engine_spec_schedule(self.config), max_model_len=r.max_model_len,
+                                 kv_cache_gib=r.kv_cache_gib, seed=self.config.trainer.seed,
+                                 vllm_kwargs=dict(r.vllm_kwargs))
 
     def build_strategy(self):
         """The multi-process strategy (process group, mesh, plan) when the run spans processes, else None."""
@@ -166,48 +174,51 @@ class SpecTrainer:
             ensure_model_parallel_initialized(1, 1)
 
     def build_callbacks(self) -> list[Callback]:
-        from spectrain.callbacks import AcceptanceLengthLogger, DraftCoTraining, HeldOutEval, RunHistory, WeightSync
+        from spectrain.callbacks import (AcceptanceLengthLogger, DraftCoTraining, HeldOutEval, RunHistory, StopOnSignal,
+                                         WeightSync)
 
         d = self.config.draft
         callbacks: list[Callback] = []
         if d.mode == "cotrained":
             callbacks.append(DraftCoTraining(every_n_steps=d.every_n_steps, grad_clip=d.grad_clip,
                                              ttt_steps=d.ttt_steps, pass_decay=d.pass_decay))
-        callbacks.append(WeightSync(check_alive=d.check_alive and d.mode != "none"))
+        sync = self.config.sync
+        callbacks.append(WeightSync(check_alive=d.check_alive and d.mode != "none", on_mismatch=sync.on_mismatch,
+                                    on_dead=d.on_dead, logprob_tolerance=sync.logprob_tolerance,
+                                    weight_rtol=sync.weight_rtol, collapse_ratio=d.collapse_ratio))
         if d.mode != "none":
             callbacks.append(AcceptanceLengthLogger())
         if self.config.trainer.eval_every_n_steps:  # after WeightSync: it evaluates the step's weights
             callbacks.append(HeldOutEval(self.eval_examples(), self.config.trainer.eval_every_n_steps,
                                          self.config.rollout.eval_samples, warmstart=self.warm_eval))
-        callbacks += [_instantiate(c.target, c.args) for c in self.config.trainer.callbacks]
+        callbacks += self.recipe_callbacks
         callbacks += self.extra_callbacks
         callbacks.append(ModelCheckpoint(dirpath=self.run_dir / "checkpoints", save_last=True, save_top_k=0,
                                          every_n_train_steps=self.config.trainer.checkpoint_every_n_steps))
-        return callbacks + [RunHistory()]  # last: its step time covers every other hook
+        # RunHistory last but one: its step time covers every other hook; StopOnSignal last: its checkpoint
+        # holds every callback's state of the step
+        return callbacks + [RunHistory(), StopOnSignal(str(self.last_checkpoint))]
 
     def build_logger(self):
         t = self.config.trainer
         if t.logger == "tensorboard":
             return TensorBoardLogger(save_dir=str(self.run_dir), name="logs")
-        # one version_N folder per (resumed) segment: Lightning rewrites a CSV whose columns change
-        return CSVLogger(save_dir=str(self.run_dir), name="logs")
+        # one version_N folder per (resumed) segment: Lightning rewrites a CSV whose columns change. Rows are
+        # written every step, so a killed run keeps them (a resume drops those of the steps it re-runs).
+        return CSVLogger(save_dir=str(self.run_dir), name="logs", flush_logs_every_n_steps=1)
 
     # the run ------------------------------------------------------------------------------
     def fit(self) -> FitResult:
         started = time.perf_counter()
         self.strategy = self.build_strategy()
-        resume_ckpt = self._on_rank_zero(self.prepare_run_dir)
         L.seed_everything(self.config.trainer.seed, workers=True, verbose=False)
-        self.tokenizer = self.build_tokenizer()
-        self.source = self.prompts()
-        self._reward_fn = get_reward_fn(self.config.task.reward, partial_credit=self.config.task.partial_credit)
-        self.check_lengths()
+        resume_ckpt, start_step = self._on_rank_zero(self.check_inputs)  # nothing is written before they pass
+        self._on_rank_zero(self.create_run_dir)
+        self.build_inputs()  # on the other ranks: rank 0 built them while checking
         policy, draft = self._rank_zero_first(self._warm_start)
         if self.strategy is not None:
             self.prepare_rollout_process_groups()
-        if self.is_rollout_rank:  # the other ranks get each rollout from the plan
-            policy_dir, draft_dir = self.export_models(policy, draft, self.run_dir / "engine_init")
-            self.engine = self.build_rollout_engine(policy_dir, draft_dir)
+        self._on_rank_zero(lambda: self._start_engine(policy, draft))  # every rank learns of a failed start
         try:
             self.module = GRPOModule(self.config, policy, draft, self.tokenizer, self.reward)
             self.module.engine = self.engine
@@ -219,7 +230,8 @@ class SpecTrainer:
             if self.is_rank_zero:
                 self._record({"warmstart_eval": self.warm_eval})
             self.trainer = self.build_lightning_trainer()
-            start_step = _checkpoint_step(resume_ckpt)
+            if self.is_rank_zero:
+                drop_logged_steps(self.run_dir / "logs", start_step)
             loader = DataLoader(PromptStream(self.source, self.config.rollout.prompts_per_step,
                                              self.config.trainer.seed, start_step),
                                 batch_size=None, collate_fn=lambda x: x)
@@ -242,10 +254,72 @@ class SpecTrainer:
             self._record({"result": result.summary()})
         return result
 
+    def check_inputs(self) -> tuple[str | None, int]:
+        """Everything a bad input fails, before anything is written: the run directory and the checkpoint
+        to resume, the warm-start cache, the prompts (readable, fitting the engine), the reward, the
+        recipe's callbacks, the logger and the KV cache size. A refused command leaves no trace.
+
+        Returns the checkpoint to resume (None for a new run) and its step.
+        """
+        from spectrain.rollout.vllm_engine import kv_cache_bytes
+
+        resume = self.check_run_dir()
+        self.check_warmstart_cache()
+        self.build_inputs()
+        self.check_lengths()
+        self._check_logger()
+        kv_cache_bytes(self.config.rollout.kv_cache_gib)
+        return resume
+
+    def build_inputs(self) -> None:
+        """Tokenizer, prompt source, reward and the recipe's callbacks (once: `check_inputs` builds them first)."""
+        if self.source is not None:
+            return
+        self.tokenizer = self.build_tokenizer()
+        self.source = self._load_prompts()
+        self._reward_fn = get_reward_fn(self.config.task.reward, partial_credit=self.config.task.partial_credit)
+        self.recipe_callbacks = [_instantiate(i, spec) for i, spec in enumerate(self.config.trainer.callbacks)]
+
+    def _load_prompts(self):
+        """`prompts()`, with a prompt file that cannot be used reported against `task.path`."""
+        from spectrain.data.prompts import PromptFileError
+
+        try:
+            return self.prompts()
+        except PromptFileError as exc:
+            raise ConfigError(f"task.path: {exc}") from exc
+        except OSError as exc:
+            raise ConfigError(f"task.path: cannot read {self.config.task.path} ({exc.strerror or exc}); "
+                              f"give the path of a JSONL prompt file") from exc
+
+    def _check_logger(self) -> None:
+        if self.config.trainer.logger == "tensorboard" and not any(
+                importlib.util.find_spec(m) for m in ("tensorboard", "tensorboardX")):
+            raise ConfigError("trainer.logger: tensorboard needs the tensorboard package; pip install tensorboard, "
+                              "or set trainer.logger=csv")
+
+    def check_warmstart_cache(self) -> None:
+        """Refuse, before any training, a warm-start cache trained under other settings (never overwritten)."""
+        cached(self.warmstart_dir, policy_cache_key(self.config), "warm-start policy")
+        if self.config.draft.mode != "none":
+            from spectrain.draft_warmup import draft_cache_key
+
+            cached(self.warmstart_dir / "draft", draft_cache_key(self.config), "draft warm-up")
+
+    def _start_engine(self, policy, draft) -> None:
+        """The rollout rank starts the engine on the warm start; the other ranks get each rollout from the plan."""
+        if self.is_rollout_rank:
+            policy_dir, draft_dir = self.export_models(policy, draft, self.run_dir / "engine_init")
+            self.engine = self.build_rollout_engine(policy_dir, draft_dir)
+
     def _warm_start(self):
         policy, _ = warm_start_policy(self.config, self.build_policy(), self.source, self.tokenizer,
                                       self.warmstart_dir, progress=self.config.trainer.progress_bar)
         return policy, self.build_draft(policy)
+
+    @property
+    def last_checkpoint(self) -> Path:
+        return self.run_dir / "checkpoints" / "last.ckpt"
 
     @property
     def is_rank_zero(self) -> bool:
@@ -267,6 +341,8 @@ class SpecTrainer:
                 outcome = (None, exc)
         value, error = self.strategy.broadcast(outcome)
         if error is not None:
+            if not self.is_rank_zero:
+                error.reported_by_rank_zero = True  # the CLI prints it on rank 0 only
             raise error
         return value
 
@@ -289,15 +365,12 @@ class SpecTrainer:
                          enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
 
     def sync_final_weights(self) -> None:
-        """Push the trained weights once more: a resumed run that was already done never ran a sync."""
-        version = self.trainer.global_step
-        policy, draft = self.module.policy_weights_for_sync(), None
-        if self.module.draft is not None:
-            draft = self.module.draft_weights_for_sync()
-        if self.engine is not None:
-            self.engine.sync_policy(policy, version)
-            if draft is not None:
-                self.engine.sync_draft(draft, version)
+        """Push (and verify) the trained weights once more: a resumed run that was already done never ran a
+        sync, and the final evaluation must score the trainer's weights."""
+        from spectrain.callbacks import WeightSync
+
+        sync = self._callback(WeightSync) or WeightSync(check_alive=False)
+        sync.push(self.trainer, self.module, draft=self.module.draft is not None)
 
     def eval_examples(self):
         return self.source.sample(self.config.rollout.eval_prompts, random.Random(f"eval:{self.config.trainer.seed}"))
@@ -333,49 +406,94 @@ class SpecTrainer:
         return policy_dir, export_draft(draft, out_dir / "draft", policy.cfg)
 
     # run directory ------------------------------------------------------------------------
-    def prepare_run_dir(self) -> str | None:
-        """Create the run dir, or resume it; never write into a directory we did not create."""
-        run_dir, marker = self.run_dir, self.run_dir / RUN_MARKER
-        if run_dir.exists() and any(run_dir.iterdir()):
-            if not marker.is_file():
-                raise RunDirError(f"{run_dir} exists and is not a spectrain run directory; refusing to write into it. "
-                                  f"Choose another trainer.run_dir.")
-            if self.config.trainer.resume == "never":
-                raise RunDirError(f"{run_dir} already holds a run and trainer.resume=never; choose another "
-                                  f"trainer.run_dir, or set trainer.resume=auto to continue it.")
-            last = run_dir / "checkpoints" / "last.ckpt"
-            print(f"[spectrain] resuming run in {run_dir}" + ("" if last.is_file() else " (no checkpoint yet)"))
-            self._check_same_config()
-            return str(last) if last.is_file() else None
-        run_dir.mkdir(parents=True, exist_ok=True)
+    def check_run_dir(self) -> tuple[str | None, int]:
+        """Refuse a run directory we may not write into, reading only; the checkpoint to resume and its step.
+
+        A missing or empty directory starts a run. Anything else must be a spectrain run (its
+        marker) that `trainer.resume` lets us continue, started with the same config, whose
+        records and checkpoint can be read.
+        """
+        run_dir = self.run_dir
+        if run_dir.exists() and not run_dir.is_dir():
+            raise RunDirError(f"{run_dir} is a file, not a directory; choose another trainer.run_dir.")
+        if not run_dir.exists() or not any(run_dir.iterdir()):
+            return None, 0
+        if not (run_dir / RUN_MARKER).is_file():
+            raise RunDirError(f"{run_dir} exists and is not a spectrain run directory; refusing to write into it. "
+                              f"Choose another trainer.run_dir.")
+        if self.config.trainer.resume == "never":
+            raise RunDirError(f"{run_dir} already holds a run and trainer.resume=never; choose another "
+                              f"trainer.run_dir, or set trainer.resume=auto to continue it.")
+        record = self._read_record()
+        self._check_same_config()
+        last = self.last_checkpoint
+        if not last.is_file():
+            return None, 0
+        if "warmstart_eval" not in record:
+            raise RunDirError(f"{run_dir / RUN_MARKER} has no warm-start evaluation to resume {last} with; remove "
+                              f"{last} to restart the run from its warm start, or choose another trainer.run_dir.")
+        return str(last), _checkpoint_step(last)
+
+    def create_run_dir(self) -> None:
+        """Start the run directory (marker, resolved config), or say that it resumes; after `check_run_dir`."""
+        marker = self.run_dir / RUN_MARKER
+        if marker.is_file():
+            last = self.last_checkpoint
+            print(f"[spectrain] resuming run in {self.run_dir}" + ("" if last.is_file() else " (no checkpoint yet)"))
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         marker.write_text(json.dumps({"created": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2))
-        (run_dir / "config.yaml").write_text(to_yaml(self.config))
-        return None
+        (self.run_dir / "config.yaml").write_text(to_yaml(self.config))
+
+    def prepare_run_dir(self) -> str | None:
+        """Check, then create or resume the run directory; the checkpoint to resume (None for a new run)."""
+        resume, _ = self.check_run_dir()
+        self.create_run_dir()
+        return resume
+
+    # a resume may train longer, report differently or run from a moved directory, not change what it trains
+    RESUME_FREE_KEYS = ("max_steps", "progress_bar", "resume", "log_every_n_steps", "checkpoint_every_n_steps",
+                        "run_dir", "warmstart_dir")
 
     def _check_same_config(self) -> None:
-        """A resume may train longer or change how it reports, not what it trains."""
         saved = self.run_dir / "config.yaml"
         if not saved.is_file():
             return
-        free = {"max_steps", "progress_bar", "resume", "log_every_n_steps", "checkpoint_every_n_steps"}
-        before = OmegaConf.to_container(OmegaConf.load(saved))
+        try:  # onto the schema: keys added to spectrain since the run started get their defaults
+            before = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(SpecTrainConfig),
+                                                            OmegaConf.load(saved)))
+        except Exception as exc:  # YAML or schema errors: omegaconf's message says which
+            raise RunDirError(f"{saved} cannot be read as a spectrain config ({type(exc).__name__}: {exc}); "
+                              f"restore it, or choose another trainer.run_dir.") from exc
         now = OmegaConf.to_container(OmegaConf.structured(self.config))
-        for key in free:
-            before["trainer"].pop(key, None)
-            now["trainer"].pop(key, None)
+        for config in (before, now):
+            for key in self.RESUME_FREE_KEYS:
+                config["trainer"].pop(key, None)
         if before != now:
-            raise RunDirError(f"{self.run_dir} was started with a different config ({saved}); resume it with the "
-                              f"same recipe and overrides (only trainer.max_steps and reporting options may change), "
-                              f"or choose another trainer.run_dir.")
+            raise RunDirError(f"{self.run_dir} was started with a different config ({describe_differences(before, now)};"
+                              f" see {saved}); resume it with the same recipe and overrides (only trainer.max_steps, "
+                              f"reporting options and the paths may change), or choose another trainer.run_dir.")
+
+    def _read_record(self) -> dict:
+        """The run's marker file: what it recorded so far (creation time, warm-start evaluation, result)."""
+        marker = self.run_dir / RUN_MARKER
+        try:
+            record = json.loads(marker.read_text())
+        except (OSError, ValueError) as exc:
+            raise RunDirError(f"{marker} cannot be read ({type(exc).__name__}: {exc}); restore it, or choose "
+                              f"another trainer.run_dir.") from exc
+        if not isinstance(record, dict):
+            raise RunDirError(f"{marker} is not a spectrain run record (a JSON object); restore it, or choose "
+                              f"another trainer.run_dir.")
+        return record
 
     def _record(self, entries: dict) -> None:
-        marker = self.run_dir / RUN_MARKER
-        data = json.loads(marker.read_text())
+        data = self._read_record()
         data.update(entries)
-        marker.write_text(json.dumps(data, indent=2))
+        (self.run_dir / RUN_MARKER).write_text(json.dumps(data, indent=2))
 
     def _recorded_warm_eval(self) -> dict[str, float]:
-        return json.loads((self.run_dir / RUN_MARKER).read_text())["warmstart_eval"]
+        return self._read_record()["warmstart_eval"]
 
     def check_lengths(self) -> None:
         """Prompts plus completions plus the speculative lookahead must fit the engine."""
@@ -397,21 +515,50 @@ class SpecTrainer:
                               f"2*cp = {padded}; raise policy.max_position_embeddings or lower parallel.cp.")
 
 
-def _instantiate(target: str, args: dict) -> Callback:
+def _instantiate(index: int, spec) -> Callback:
+    """`trainer.callbacks[index]`, imported and constructed now: a bad entry fails before any work."""
+    key, target = f"trainer.callbacks[{index}]", spec.target
     module_name, _, cls_name = target.rpartition(".")
     try:
         cls = getattr(importlib.import_module(module_name), cls_name)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise ConfigError(f"trainer.callbacks: cannot import '{target}' ({exc}); give the full import path of a "
-                          f"lightning Callback class, e.g. my_pkg.callbacks.MyCallback") from exc
-    callback = cls(**dict(args))
-    if not isinstance(callback, Callback):
-        raise ConfigError(f"trainer.callbacks: {target} is not a lightning Callback")
-    return callback
+    except Exception as exc:  # ImportError, AttributeError, or whatever the module raises while importing
+        raise ConfigError(f"{key}.target: cannot import '{target}' ({type(exc).__name__}: {exc}); give the full "
+                          f"import path of a lightning Callback class, e.g. my_pkg.callbacks.MyCallback") from exc
+    if not (isinstance(cls, type) and issubclass(cls, Callback)):
+        raise ConfigError(f"{key}.target: {target} is a {type(cls).__name__}, not a lightning Callback class; "
+                          f"give a subclass of lightning.pytorch.callbacks.Callback")
+    try:
+        return cls(**dict(spec.args))
+    except Exception as exc:  # the constructor's own complaint about its arguments
+        raise ConfigError(f"{key}.args: {target}(**{dict(spec.args)}) failed ({type(exc).__name__}: {exc}); "
+                          f"fix the arguments") from exc
 
 
-def _checkpoint_step(ckpt_path: str | None) -> int:
-    if ckpt_path is None:
-        return 0
-    return int(torch.load(ckpt_path, map_location="cpu", weights_only=False)["global_step"])
+def drop_logged_steps(log_dir: Path, first_step: int) -> None:
+    """Remove the CSV rows of steps >= `first_step` from earlier log segments: a resume re-runs them.
+
+    A run killed between checkpoints logged the steps after its last checkpoint; the resumed
+    segment logs them again (with the same values: sampling is seeded per step), so each step
+    keeps exactly one row.
+    """
+    for path in sorted(log_dir.glob("version_*/metrics.csv")):
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            fields, rows = reader.fieldnames, list(reader)
+        kept = [r for r in rows if not r.get("step") or int(r["step"]) < first_step]
+        if fields and len(kept) < len(rows):
+            with open(path, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=fields)
+                writer.writeheader()
+                writer.writerows(kept)
+
+
+def _checkpoint_step(ckpt_path: Path) -> int:
+    """The checkpoint's step; it is read whole, so a corrupt file is refused before anything is written."""
+    try:
+        return int(torch.load(ckpt_path, map_location="cpu", weights_only=False)["global_step"])
+    except Exception as exc:  # truncated zip, garbage bytes, a pickle that is no checkpoint...
+        raise RunDirError(f"{ckpt_path} is corrupt or unreadable ({type(exc).__name__}: {exc}). Remove it to "
+                          f"restart the run from its warm start (the warm-start cache is kept), or restore a copy "
+                          f"of it.") from exc
 

@@ -2,20 +2,29 @@
 
 GRPO needs a policy that already gets some answers right (a group whose samples all score
 0 has zero advantage and teaches nothing). The result is cached under
-`<run_dir>/warmstart/` with the settings that produced it, so the next run with the same
-settings reuses it instead of training again.
+`<run_dir>/warmstart/` (or `trainer.warmstart_dir`, which runs may share) with the settings
+that produced it, so the next run with the same settings reuses it instead of training again.
+A cache is immutable once written: a run with other settings is refused before it trains,
+never allowed to overwrite it, and a cache appears in one rename, so a run killed while
+writing it leaves none.
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import shutil
+import tempfile
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from spectrain.config import describe_differences
+from spectrain.errors import RunDirError
 from spectrain.models.hf_io import load_pretrained, save_pretrained
 from spectrain.models.llama import LlamaForCausalLM
 from spectrain.rl.batch import RolloutBatch, build_rollout_batch
@@ -24,9 +33,14 @@ from spectrain.rollout.base import Completion
 
 
 def examples_to_batch(examples, tokenizer) -> RolloutBatch:
-    """Teacher-forced batch: prompt + worked answer, loss on the answer tokens only."""
+    """Teacher-forced batch: prompt + worked answer, loss on the answer tokens only.
+
+    An example without a worked target (a JSONL row with only "prompt" and "answer") is
+    trained on its bare answer, which the reward accepts as a whole completion.
+    """
     completions = [Completion(i, tokenizer.encode(ex.prompt),
-                              tokenizer.encode(ex.target, add_bos=False) + [tokenizer.eos_id], [], True)
+                              tokenizer.encode(ex.target or ex.answer, add_bos=False) + [tokenizer.eos_id],
+                              [], True)
                    for i, ex in enumerate(examples)]
     return build_rollout_batch(completions, torch.zeros(len(completions)))
 
@@ -61,20 +75,71 @@ def train_sft(policy: LlamaForCausalLM, task, tokenizer, steps: int, batch_size:
     return losses
 
 
+CACHE_META = "meta.json"  # written last: a directory without it is no cache
+_KEY_NAMES = {"seed": "trainer.seed"}  # cache-key entries whose config key is spelled differently
+
+
+def policy_cache_key(config) -> dict:
+    """Everything the SFT'd policy depends on."""
+    return {"policy": asdict(config.policy), "task": asdict(config.task), "sft": asdict(config.sft),
+            "seed": config.trainer.seed}
+
+
+def cached(cache: Path, key: dict, what: str) -> bool:
+    """Whether `cache` holds the `what` trained under `key`; False when there is none yet.
+
+    Refuses (RunDirError) a cache trained under another key and a directory that holds
+    something else, so that neither is ever overwritten.
+    """
+    meta = cache / CACHE_META
+    if not meta.is_file():
+        if cache.exists() and (not cache.is_dir() or any(cache.iterdir())):
+            raise RunDirError(f"{cache} exists but holds no {what} ({CACHE_META} is missing); refusing to write into "
+                              f"it. Set trainer.warmstart_dir to another directory, or remove {cache} if it is what "
+                              f"is left of a run killed with an older spectrain.")
+        return False
+    try:
+        saved = json.loads(meta.read_text())["settings"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise RunDirError(f"{meta} cannot be read ({type(exc).__name__}: {exc}); set trainer.warmstart_dir to "
+                          f"another directory, or remove {cache} to train the {what} again there.") from exc
+    if saved != key:
+        changed = describe_differences({_KEY_NAMES.get(k, k): v for k, v in saved.items()},
+                                       {_KEY_NAMES.get(k, k): v for k, v in key.items()})
+        raise RunDirError(f"{cache} holds a {what} trained with other settings ({changed}); a "
+                          f"warm-start cache is never overwritten. Set trainer.warmstart_dir to another directory "
+                          f"for these settings, or use the settings it was trained with.")
+    return True
+
+
+@contextmanager
+def writing_cache(cache: Path):
+    """A scratch directory beside `cache` that becomes `cache` in one rename when the block succeeds."""
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{cache.name}.partial-", dir=cache.parent))
+    try:
+        yield scratch
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    try:
+        os.rename(scratch, cache)  # atomic; onto a missing or empty directory only, so nothing is overwritten
+    except OSError as exc:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise RunDirError(f"could not move the new {cache.name} into {cache} ({exc}); if another run wrote it "
+                          f"meanwhile, run again to reuse it, or set trainer.warmstart_dir to another directory.") from exc
+
+
 def warm_start_policy(config, policy: LlamaForCausalLM, task, tokenizer, cache_root: Path,
                       progress: bool = True) -> tuple[LlamaForCausalLM, dict]:
-    """Return the SFT'd policy, training it only if no matching cache exists in the run."""
-    cache = cache_root
-    settings = {"policy": asdict(config.policy), "task": asdict(config.task), "sft": asdict(config.sft),
-                "seed": config.trainer.seed}
-    meta_path = cache / "meta.json"
-    if meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
-        if meta.get("settings") == settings:
-            return load_pretrained(cache / "policy"), meta
+    """Return the SFT'd policy, training it only if no matching cache exists yet."""
+    cache, key = cache_root, policy_cache_key(config)
+    if cached(cache, key, "warm-start policy"):
+        return load_pretrained(cache / "policy"), json.loads((cache / CACHE_META).read_text())
     losses = train_sft(policy, task, tokenizer, config.sft.steps, config.sft.batch_size, config.sft.lr,
                        seed=config.trainer.seed, progress=progress) if config.sft.enabled else []
-    save_pretrained(policy, cache / "policy", tokenizer=tokenizer)
-    meta = {"settings": settings, "final_loss": losses[-1] if losses else None, "steps": len(losses)}
-    meta_path.write_text(json.dumps(meta, indent=2))
+    meta = {"settings": key, "final_loss": losses[-1] if losses else None, "steps": len(losses)}
+    with writing_cache(cache) as scratch:
+        save_pretrained(policy, scratch / "policy", tokenizer=tokenizer)
+        (scratch / CACHE_META).write_text(json.dumps(meta, indent=2))
     return policy, meta

@@ -11,6 +11,7 @@ from spectrain.models.llama import LlamaConfig, LlamaForCausalLM, pack_sequences
 from spectrain.parallel.plan import LocalPlan, draft_inputs_from, ttt_valid_tokens
 from spectrain.rl.batch import build_rollout_batch
 from spectrain.rollout.base import Completion, SpecDecodeCounters
+from spectrain.rollout.weight_probe import ProbeResult
 
 
 class Module(SimpleNamespace):
@@ -82,17 +83,23 @@ def stats(drafts, accepted):
     return SimpleNamespace(spec=spec)
 
 
+def sync_trainer(step):
+    return SimpleNamespace(global_step=step, strategy=SimpleNamespace(broadcast=lambda x: x))
+
+
 def test_weight_sync_detects_dead_speculation():
-    engine = SimpleNamespace(sync_policy=lambda w, v: None, sync_draft=lambda w, v: None)
-    module = Module(engine=engine, plan=LocalPlan(), draft=object(), trains_draft=True, logged={}, rollout_stats=None,
-                    policy_weights_for_sync=lambda: [], draft_weights_for_sync=lambda: [])
+    """The engine serves the synced weights (the probe passes) but accepts nothing: the drafter is lost."""
+    engine = SimpleNamespace(sync_policy=lambda w, v: None, sync_draft=lambda w, v: None,
+                             verify_weights=lambda w, which, rtol: ProbeResult(0.0, []))
+    module = Module(engine=engine, plan=LocalPlan(), policy=torch.nn.Linear(2, 2), draft=object(), trains_draft=True,
+                    logged={}, rollout_stats=None, policy_weights_for_sync=lambda: [], draft_weights_for_sync=lambda: [])
     callback = WeightSync(min_drafts_for_check=10)
-    callback.on_train_start(SimpleNamespace(global_step=0), module)
+    callback.on_train_start(sync_trainer(0), module)
     module.rollout_stats = stats(drafts=50, accepted=7)
-    callback.on_train_batch_end(SimpleNamespace(global_step=1), module, None, None, 0)  # alive: fine
+    callback.on_train_batch_end(sync_trainer(1), module, None, None, 0)  # alive: fine
     module.rollout_stats = stats(drafts=50, accepted=0)
     with pytest.raises(SpeculationDeadError, match="accepted nothing"):
-        callback.on_train_batch_end(SimpleNamespace(global_step=2), module, None, None, 0)
+        callback.on_train_batch_end(sync_trainer(2), module, None, None, 0)
 
 
 def test_acceptance_logger_logs_deltas(tmp_path):

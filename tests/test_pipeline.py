@@ -48,8 +48,8 @@ def _draft_head() -> torch.nn.Linear:
     return torch.nn.Linear(4 * CFG["hidden_size"], CFG["vocab_size"], dtype=torch.float64)
 
 
-def _batch() -> RolloutBatch:
-    g = torch.Generator().manual_seed(2)
+def _batch(seed: int = 2) -> RolloutBatch:
+    g = torch.Generator().manual_seed(seed)
     seqs = [torch.randint(3, CFG["vocab_size"], (n,), generator=g).tolist() for n in DOC_LENGTHS]
     ids, pos, cu = pack_sequences(seqs)
     targets = torch.full_like(ids, -1)
@@ -67,7 +67,7 @@ def _loss(out, mb, draft, n_tokens: int, record: list):
     if draft is not None:
         feats = torch.cat([out.embeds, *out.aux_hidden], dim=-1)
         loss = loss + F.cross_entropy(draft(feats)[m], mb.targets[m], reduction="sum") / n_tokens
-        record.append((out.embeds.clone(), [a.clone() for a in out.aux_hidden]))
+        record.append((out.embeds, out.aux_hidden))  # kept as they are, like the draft's inputs
     return loss
 
 
@@ -140,6 +140,32 @@ def test_plan_microbatches():
         plan_microbatches(cu, 4, 8)
 
 
+@pytest.fixture
+def one_process_group():
+    """A gloo WORLD of this process alone (a TapChannel needs a group), torn down afterwards."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_local_tap_is_owned_by_the_channel(one_process_group):
+    """A tap the last stage posts itself (its input: pipelining's receive buffer, refilled by the next
+    `schedule.step()`) must come out of `wait` as it was posted, whatever later writes the buffer."""
+    name = aux_tap_name(2)
+    channel = TapChannel(one_process_group, {1: (name,)}, 1, hidden_size=4, capacity_tokens=3, dtype=torch.float64)
+    assert channel.is_destination and channel.stage_rank(1) == channel.rank  # posted locally, not sent
+    stage_input = torch.arange(12, dtype=torch.float64).reshape(3, 4)
+    posted = stage_input.clone()
+    channel.begin_step({0: [(1, 0)]})
+    channel.post(0, name, stage_input)
+    stage_input.fill_(-1.0)  # the next microbatch's (or step's) activations land in the same buffer
+    tap = channel.wait(0)[name]
+    channel.finish_step()
+    torch.testing.assert_close(tap, posted, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("name, per_rank, n_mb, match", [
     ("PipeDream", 1, 2, "unknown pipeline schedule 'PipeDream'"),
     ("Interleaved1F1B", 1, 2, "needs >= 2 stages per rank"),
@@ -174,9 +200,14 @@ def _pp_worker(rank: int, world_size: int):
         runner = PipelineRunner(stages, schedule, n_mb, TOKENS_PER_MB,
                                 lambda out, mb: _loss(out, mb, draft, n_tokens, record), pp_group, channel)
         losses = runner.step(batch)
-        grads = {n: p.grad for s in stages for n, p in s.named_parameters()}
-        results[(schedule, n_mb, transport.__name__)] = dict(
-            losses=losses, grads=grads, taps=record, draft_grad=draft.weight.grad if losses else None)
+        grads = {n: p.grad.clone() for s in stages for n, p in s.named_parameters()}
+        draft_grad = draft.weight.grad.clone() if losses else None
+        taps = list(record)
+        # A second step (the next GRPO minibatch) refills pipelining's receive buffers; the first step's
+        # taps, which the draft trains on only after the last minibatch, must not change.
+        runner.step(_batch(seed=3))
+        results[(schedule, n_mb, transport.__name__)] = dict(losses=losses, grads=grads, taps=taps,
+                                                             draft_grad=draft_grad)
 
     # Ranks that disagree on the forward order: the receiver must name expected vs got.
     channel = TapChannel(tap_group, {0: (EMBEDS_TAP,)}, 1, hidden_size=4, capacity_tokens=3,

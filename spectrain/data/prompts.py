@@ -34,7 +34,11 @@ class _BadRow(ValueError):
 
 
 class JsonlPrompts:
-    """Examples from a JSONL file (`{"prompt", "answer"[, "target"]}` per line)."""
+    """Examples from a JSONL file (`{"prompt", "answer"[, "target"]}` per line).
+
+    `target` is the worked completion the SFT warm start teaches; a row without one is
+    warm-started on its answer.
+    """
 
     def __init__(
         self,

@@ -13,7 +13,10 @@ shares the parameters and keeps HF names). A step:
   schedule unchanged, and on the last stage calls the GRPO loss per microbatch (each is
   already normalised by the global token count, so the sum is the step loss). The draft's
   taps travel from earlier stages over the `TapChannel`; the last stage keeps one
-  `DraftInputs` per microbatch for `DraftCoTraining`, which runs there only.
+  `DraftInputs` per microbatch for `DraftCoTraining`, which runs there only. They outlive
+  the step (the draft trains after all `grpo.minibatches` updates), so none may be a view of
+  a pipelining buffer, which the next `schedule.step()` refills: the taps are the channel's
+  copies, the teacher logits come out of the stage's forward, the batch out of `select`.
 
 Gradients are summed over the stage's dp x cp replicas; the clip norm is the global one
 (squared norms summed over the pp group). Weight sync gathers every stage (and the draft,

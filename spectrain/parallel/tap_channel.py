@@ -14,7 +14,9 @@ schedule's own P2P traffic and stall (or deadlock) it. TapChannel instead:
 - on the last stage, receives are posted ahead of time into landing slots, a ring of slots
   per source rank consumed in send order (FIFO per (src, dst) pair keeps microbatches
   matched); `wait(mb)` blocks only when the draft needs microbatch `mb`'s taps;
-- taps are detached: nothing flows backward, the draft never trains the policy.
+- taps are detached: nothing flows backward, the draft never trains the policy;
+- what `wait` returns is owned by the channel (copied out of its landing slot, or copied
+  when posted locally), never a view of a buffer that the slots or the schedule reuse.
 
 Placement follows `torch.distributed.pipelining`: stage `s` lives on pp rank
 `s % pp_size`. A tap produced on the destination rank itself (an aux layer on the last
@@ -193,7 +195,10 @@ class TapChannel:
             key = (microbatch, name)
             if key in self._landed:
                 raise RuntimeError(f"TapChannel: tap {name!r} of microbatch {microbatch} posted twice")
-            self._landed[key] = tap
+            # A copy the channel owns: a local tap can be the stage's input, i.e. the buffer pipelining
+            # receives activations into and reuses on the next `schedule.step()`, while the draft trains on
+            # every step's taps only after the last one (grpo.minibatches > 1).
+            self._landed[key] = tap.clone()
             return
         expected = self._send_plan.popleft() if self._send_plan else None
         if expected != (stage, microbatch, name):

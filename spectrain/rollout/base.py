@@ -61,6 +61,15 @@ class SpecDecodeCounters:
         return [a / self.num_drafts if self.num_drafts else 0.0 for a in self.accepted_per_pos]
 
 
+@dataclass
+class LoadStats:
+    """How crowded the engine was since the last `take_load_stats()`."""
+
+    preemptions: int = 0  # sequences evicted from the KV cache (recomputed later: slow)
+    max_running: int = 0  # most sequences decoded in one engine step
+    max_waiting: int = 0  # most sequences queued behind them
+
+
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
 
@@ -78,5 +87,11 @@ class RolloutEngine(Protocol):
     def sync_draft(self, weights: NamedTensors, version: int) -> None: ...
 
     def spec_decode_counters(self) -> SpecDecodeCounters: ...
+
+    def take_load_stats(self) -> LoadStats: ...
+
+    def verify_weights(self, weights: NamedTensors, which: str, rtol: float): ...
+
+    def disable_speculation(self) -> None: ...
 
     def shutdown(self) -> None: ...

