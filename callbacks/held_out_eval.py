@@ -25,6 +25,8 @@ class HeldOutEval(Callback):
             self._evaluate(trainer, pl_module)
 
     def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.global_step < trainer.max_steps:  # stopped early (a signal): the resumed run evaluates
+            return
         if not self.history or self.history[-1]["step"] != trainer.global_step:
             self._evaluate(trainer, pl_module)
 

@@ -25,15 +25,16 @@ class StopOnSignal(Callback):
     """What a cluster scheduler (SIGTERM) or Ctrl-C (SIGINT) should get: no lost work.
 
     The signal is only noted; at the end of the step in flight every rank agrees on it (a max
-    over ranks), the checkpoint is written to `ckpt_path` and `RunInterrupted` stops the run, so
-    the same command resumes it. A second signal aborts at once. Place it after every callback
+    over ranks), the checkpoint is written to `ckpt_path` and the loop stops after logging the
+    step; `SpecTrainer.fit` then raises `interruption()`, and the same command resumes the run. A second signal aborts at once. Place it after every callback
     whose state the checkpoint must hold. Handlers are installed only in the main thread and
     the previous ones are restored at the end.
     """
 
     def __init__(self, ckpt_path: str) -> None:
         self.ckpt_path = ckpt_path
-        self.received: int = 0
+        self.received: int = 0  # the signal noted on this rank
+        self.stopped_by: int = 0  # the signal the run stopped on (agreed by every rank)
         self._previous: dict[int, object] = {}
         self._speaks = True  # rank 0 only: every rank of a torchrun job gets the signal
 
@@ -52,12 +53,16 @@ class StopOnSignal(Callback):
                   f"(send it again to abort at once)", file=sys.stderr, flush=True)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        signum = int(trainer.strategy.reduce(torch.tensor(float(self.received)), reduce_op="max").item())
-        if not signum:
-            return
-        trainer.save_checkpoint(self.ckpt_path)
-        raise RunInterrupted(f"stopped by {signal.Signals(signum).name} after step {trainer.global_step}; the "
-                             f"checkpoint is {self.ckpt_path}. Run the same command again to resume from it.", signum)
+        self.stopped_by = int(trainer.strategy.reduce(torch.tensor(float(self.received)), reduce_op="max").item())
+        if self.stopped_by:
+            trainer.save_checkpoint(self.ckpt_path)
+            trainer.should_stop = True  # the loop still logs this step's metrics, then ends
+
+    def interruption(self, steps: int) -> RunInterrupted:
+        """The error `SpecTrainer.fit` raises after the loop ended on a signal."""
+        name = signal.Signals(self.stopped_by).name
+        return RunInterrupted(f"stopped by {name} after {steps} steps; the checkpoint is {self.ckpt_path}. "
+                              f"Run the same command again to resume from it.", self.stopped_by)
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._restore()

@@ -77,13 +77,13 @@ class WeightSync(Callback):
     def push(self, trainer, pl_module, draft: bool) -> None:
         """Send the policy (and the draft) to the engine as version `global_step`, and verify both.
 
-        Collective under PP: every rank gathers, only the rollout rank holds an engine.
+        Collective under PP: every rank gathers, only the rollout rank holds an engine (the others get None).
         """
         version = trainer.global_step
-        self._sync(trainer, pl_module, "policy", list(pl_module.policy_weights_for_sync()), version)
+        self._sync(trainer, pl_module, "policy", list(pl_module.policy_weights_for_sync() or ()), version)
         self.policy_version = version
         if draft:
-            self._sync(trainer, pl_module, "draft", list(pl_module.draft_weights_for_sync()), version)
+            self._sync(trainer, pl_module, "draft", list(pl_module.draft_weights_for_sync() or ()), version)
             self.draft_version = version
 
     def _sync(self, trainer, pl_module, which: str, weights, version: int, attempt: int = 1) -> None:
@@ -141,7 +141,7 @@ class WeightSync(Callback):
             return
         fallen = (f"acceptance length fell to {spec.mean_acceptance_length:.2f} over {spec.num_drafts} drafts"
                   + ("" if baseline is None else f" (recent median {1 + baseline:.2f})"))
-        problems = self._probe(trainer, pl_module, "draft", list(pl_module.draft_weights_for_sync()))
+        problems = self._probe(trainer, pl_module, "draft", list(pl_module.draft_weights_for_sync() or ()))
         if spec.num_accepted_tokens > 0 and not problems:
             rank_zero_warn(f"[spectrain] step {trainer.global_step}: {fallen}, but the engine serves the synced draft "
                            f"(version {self.draft_version}): the draft itself predicts the policy worse now.")

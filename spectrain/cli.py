@@ -82,19 +82,18 @@ def _bench(args) -> int:
 def report_error(exc: SpecTrainError) -> None:
     """`error: <message>` as one line on stderr, once per run however many ranks raise it.
 
-    A rank other than 0 stays quiet about an error rank 0 reports too (`SpecTrainer` marks
-    those it re-raises from rank 0); under a relaunching `spectrain fit` every rank hands its
-    message to the parent, which prints each distinct one.
+    Under a relaunching `spectrain fit` every rank hands its message to the parent, which
+    prints each distinct one (so it is printed even when torchrun stops rank 0 before it
+    reports). Under a plain torchrun a rank other than 0 stays quiet about an error rank 0
+    reports too (`SpecTrainer` marks those it re-raises from rank 0).
     """
     rank = _rank()
-    if rank != 0 and getattr(exc, "reported_by_rank_zero", False):
-        return
     message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
     errors_path = os.environ.get(ERROR_FILE_ENV)
     if errors_path:
         with open(errors_path, "a") as f:
             f.write(message + "\n")
-    else:
+    elif rank == 0 or not getattr(exc, "reported_by_rank_zero", False):
         print(f"error: {'' if rank == 0 else f'rank {rank}: '}{message}", file=sys.stderr)
 
 
@@ -128,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         report_error(exc)
-        return 2
+        return getattr(exc, "exit_code", 2)  # 128 + signal for a run stopped by SIGTERM/SIGINT
 
 
 if __name__ == "__main__":

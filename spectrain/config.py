@@ -200,8 +200,7 @@ def _read_yaml(path: Path) -> DictConfig:
     except Exception as exc:  # yaml.YAMLError and friends: the message already says where
         raise ConfigError(f"recipe {path} is not valid YAML: {exc}") from exc
     if not isinstance(node, DictConfig):
-        raise ConfigError(f"recipe {path} must be a mapping of sections (policy:, rollout:, ...), "
-                          f"got {type(node).__name__}")
+        raise ConfigError(f"recipe {path} must be a mapping of sections (policy:, rollout:, ...), not a list")
     return node
 
 

