@@ -26,9 +26,10 @@ class StopOnSignal(Callback):
 
     The signal is only noted; at the end of the step in flight every rank agrees on it (a max
     over ranks), the checkpoint is written to `ckpt_path` and the loop stops after logging the
-    step; `SpecTrainer.fit` then raises `interruption()`, and the same command resumes the run. A second signal aborts at once. Place it after every callback
-    whose state the checkpoint must hold. Handlers are installed only in the main thread and
-    the previous ones are restored at the end.
+    step; `SpecTrainer.fit` then raises `interruption()`, and the same command resumes the run.
+    The same signal a second time aborts at once (another one, such as the SIGTERM torchrun sends
+    after a Ctrl-C, does not). Place it after every callback whose state the checkpoint must
+    hold. Handlers are installed only in the main thread and restored at the end.
     """
 
     def __init__(self, ckpt_path: str) -> None:
@@ -44,12 +45,14 @@ class StopOnSignal(Callback):
             self._previous = {sig: signal.signal(sig, self._note) for sig in _SIGNALS}
 
     def _note(self, signum: int, frame) -> None:
-        if self.received:
+        if self.received == signum:  # the same signal twice: a person insisting
             self._restore()
             raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: aborting without a checkpoint")
+        if self.received:
+            return
         self.received = signum
         if self._speaks:
-                print(f"\n[spectrain] {signal.Signals(signum).name} received: finishing the step, then saving a checkpoint "
+            print(f"\n[spectrain] {signal.Signals(signum).name} received: finishing the step, then saving a checkpoint "
                   f"(send it again to abort at once)", file=sys.stderr, flush=True)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

@@ -127,3 +127,31 @@ def test_counter_deltas():
 def test_packed_helper_round_trip():
     ids, pos, cu = pack_sequences([[1, 2], [3]])
     assert ids.tolist() == [1, 2, 3] and pos.tolist() == [0, 1, 0] and cu.tolist() == [0, 2, 3]
+
+
+def test_stop_on_signal_checkpoints_at_the_step_boundary(tmp_path):
+    import os
+    import signal
+
+    from spectrain.callbacks import StopOnSignal
+
+    saved = []
+    trainer = SimpleNamespace(global_step=3, is_global_zero=True, should_stop=False,
+                              strategy=SimpleNamespace(reduce=lambda t, reduce_op: t), save_checkpoint=saved.append)
+    callback = StopOnSignal(str(tmp_path / "last.ckpt"))
+    before = signal.getsignal(signal.SIGTERM)
+    callback.on_train_start(trainer, None)
+    try:
+        callback.on_train_batch_end(trainer, None, None, None, 0)
+        assert not saved and not trainer.should_stop  # no signal: nothing happens
+        os.kill(os.getpid(), signal.SIGTERM)  # noted only: the step in flight finishes
+        os.kill(os.getpid(), signal.SIGINT)  # a different signal (torchrun's follow-up) does not abort
+        callback.on_train_batch_end(trainer, None, None, None, 0)
+        assert saved == [str(tmp_path / "last.ckpt")] and trainer.should_stop
+        error = callback.interruption(trainer.global_step)
+        assert error.exit_code == 143 and "SIGTERM after 3 steps" in str(error) and "resume" in str(error)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)  # the same signal again: abort now
+    finally:
+        callback.teardown(trainer, None, "fit")
+    assert signal.getsignal(signal.SIGTERM) == before

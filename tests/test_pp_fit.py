@@ -1,4 +1,4 @@
-"""Pipeline parallel under Lightning with the default recipe's settings reproduces pp=1.
+"""Pipeline parallel (and dp, cp) under Lightning with the default recipe's settings reproduces one process.
 
 `spectrain.trainer.SpecTrainer.fit` runs as users run it (Lightning, the spec_parallel strategy,
 `DraftCoTraining`, `WeightSync`, the CSV logger) with `grpo.minibatches=4` and several
@@ -26,7 +26,8 @@ from spectrain.rollout.weight_probe import ProbeResult
 from spectrain.trainer import SpecTrainer
 
 STEPS = 3
-EXACT = ["policy.hidden_size=32", "policy.intermediate_size=64", "rollout.max_new_tokens=12",
+EXACT = ["policy.hidden_size=32", "policy.intermediate_size=64", "policy.num_attention_heads=1",
+         "policy.num_key_value_heads=1", "rollout.max_new_tokens=12",
          "sft.enabled=false", "draft.warmup_steps=0", "rollout.prompts_per_step=4", "rollout.group_size=4",
          "rollout.eval_prompts=2", "rollout.eval_samples=2", "trainer.eval_every_n_steps=0",
          "trainer.checkpoint_every_n_steps=1000", "trainer.progress_bar=false", "draft.check_alive=false",
@@ -36,11 +37,13 @@ LAYOUTS = {  # name -> (processes, overrides); pp=1 in this process is the refer
     "pp2_gpipe": (2, ["parallel.pp=2", "parallel.pp_schedule=GPipe", "parallel.microbatches=2"]),
     "pp4_1f1b": (4, ["parallel.pp=4", "parallel.pp_schedule=1F1B", "parallel.microbatches=4"]),
     "pp2_dp2_1f1b": (4, ["parallel.pp=2", "parallel.dp=2", "parallel.pp_schedule=1F1B", "parallel.microbatches=2"]),
+    "pp2_cp2_gpipe": (4, ["parallel.pp=2", "parallel.cp=2", "parallel.pp_schedule=GPipe", "parallel.microbatches=2"]),
+    "cp2": (2, ["parallel.cp=2"]),  # the metric sums over ranks without pp, too
 }
 TIMING = ("seconds", "tokens_per_s", "time/")  # wall-clock columns differ by nature
-# Measured: every column but policy/loss equal as logged (float32); policy/loss to 1.6e-6 (the GRPO loss is
-# summed in float32, per microbatch under pp)
-RTOL, ATOL = 1e-5, 1e-8
+# Measured: policy/loss within 4.5e-6 and policy/clip_fraction within 7e-8 (both summed in float32, per
+# microbatch or shard), every other column equal as logged (float32). The taps bug put draft/loss 1e-3 off.
+RTOL, ATOL = 5e-5, 1e-8
 
 
 class FixedRolloutEngine:
@@ -51,11 +54,13 @@ class FixedRolloutEngine:
         self.generator = torch.Generator().manual_seed(0)
         self.policy_version = self.draft_version = 0
 
+    def _random_tokens(self, max_tokens: int) -> list[int]:
+        """1..max_tokens ids past the special tokens (0..3)."""
+        length = int(torch.randint(1, max_tokens + 1, (1,), generator=self.generator))
+        return torch.randint(4, self.model.cfg.vocab_size, (length,), generator=self.generator).tolist()
+
     def generate(self, prompts, sampling):
-        vocab, g = self.model.cfg.vocab_size, self.generator
-        completions = [Completion(i, p, torch.randint(4, vocab, (int(torch.randint(1, sampling.max_tokens + 1, (1,),
-                                                                                      generator=g)),),
-                                                      generator=g).tolist(), [], True)
+        completions = [Completion(i, p, self._random_tokens(sampling.max_tokens), [], True)
                        for i, p in enumerate(prompts) for _ in range(sampling.n)]
         batch = build_rollout_batch(completions, torch.zeros(len(completions)))
         with torch.no_grad():
@@ -124,6 +129,16 @@ def _fit(run_dir, overrides, warmstart_dir):
     return trainer.module.engine_logprob_diff
 
 
+def _fit_one_thread(*args):
+    """`_fit` in this process on one thread, like the workers (dist_utils): no idle threads spinning on 2 cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _fit(*args)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _worker(rank, world, tmp_path, layouts):
     """One rank of each layout, launched as torchrun would (its environment; the process group is up)."""
     os.environ.update(TORCHELASTIC_RUN_ID="test", RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0",
@@ -144,8 +159,8 @@ def _compared_columns(row):
 
 
 @pytest.mark.slow
-def test_pp_fit_reproduces_pp1(tmp_path):
-    want_diff = _fit(tmp_path / "pp1", [], tmp_path / "warmstart_pp1")
+def test_parallel_fits_reproduce_one_process(tmp_path):
+    want_diff = _fit_one_thread(tmp_path / "pp1", [], tmp_path / "warmstart_pp1")
     want = _step_rows(tmp_path / "pp1")
     columns = _compared_columns(want[0])
     assert {"policy/clip_fraction", "policy/engine_logprob_diff", "draft/loss", "draft/pass_3_loss"} <= set(columns)
@@ -181,6 +196,6 @@ def test_fit_pp2_end_to_end(tmp_path):
     assert cli_main(["fit", "tiny_cpu", *overrides]) == 0
     rows = [r for r in metrics(run_dir) if r.get("policy/loss")]
     assert [int(r["step"]) for r in rows] == [0, 1]
-    for r in rows:  # measured: clip fraction 0.12, 0.04; engine_logprob_diff 1.8e-7, 1.6e-7 (0 before the fix)
+    for r in rows:  # measured: clip fraction 0.12, 0.04; engine_logprob_diff 1.8e-7, 1.6e-7
         assert 0 < float(r["policy/clip_fraction"]) <= 1 and 0 < float(r["policy/engine_logprob_diff"]) < 1e-3, r
         assert 0 <= float(r["reward"]) <= 1 and math.isfinite(float(r["draft/loss"])), r
