@@ -262,16 +262,16 @@ class SpecTrainer:
     def check_inputs(self) -> tuple[str | None, int]:
         """Everything a bad input fails, before anything is written: the run directory and the checkpoint
         to resume, the prompts (readable, fitting the engine), the reward, the recipe's callbacks, the
-        warm-start cache, the logger, the KV cache size and the head size. A refused command leaves no trace.
+        logger, the KV cache and head sizes, and the warm-start cache. A refused command leaves no trace.
 
         Returns the checkpoint to resume (None for a new run) and its step.
         """
         resume = self.check_run_dir()
         self.build_inputs()
         self.check_lengths()
-        self.check_warmstart_cache()
         self._check_logger()
         self._check_engine_inputs()
+        self.check_warmstart_cache()
         return resume
 
     def build_inputs(self) -> None:
@@ -461,9 +461,11 @@ class SpecTrainer:
         self.create_run_dir()
         return resume
 
-    # a resume may train longer, report differently or run from a moved directory, not change what it trains
-    RESUME_FREE_KEYS = ("max_steps", "progress_bar", "resume", "log_every_n_steps", "checkpoint_every_n_steps",
-                        "run_dir", "warmstart_dir")
+    # a resume may train longer, report differently, run from a moved directory or give the engine another
+    # KV cache (a start that failed for memory), not change what it trains
+    RESUME_FREE_KEYS = ("trainer.max_steps", "trainer.progress_bar", "trainer.resume", "trainer.log_every_n_steps",
+                        "trainer.checkpoint_every_n_steps", "trainer.run_dir", "trainer.warmstart_dir",
+                        "rollout.kv_cache_gib")
 
     def _check_same_config(self) -> None:
         saved = self.run_dir / "config.yaml"
@@ -477,12 +479,13 @@ class SpecTrainer:
                               f"restore it, or choose another trainer.run_dir.") from exc
         now = OmegaConf.to_container(OmegaConf.structured(self.config))
         for config in (before, now):
-            for key in self.RESUME_FREE_KEYS:
-                config["trainer"].pop(key, None)
+            for section, _, key in (k.partition(".") for k in self.RESUME_FREE_KEYS):
+                config[section].pop(key, None)
         if before != now:
             raise RunDirError(f"{self.run_dir} was started with a different config ({describe_differences(before, now)};"
                               f" see {saved}); resume it with the same recipe and overrides (only trainer.max_steps, "
-                              f"reporting options and the paths may change), or choose another trainer.run_dir.")
+                              f"reporting options, the paths and rollout.kv_cache_gib may change), or choose another "
+                              f"trainer.run_dir.")
 
     def _read_record(self) -> dict:
         """The run's marker file: what it recorded so far (creation time, warm-start evaluation, result)."""

@@ -284,7 +284,7 @@ def test_debug_flag_raises_with_the_traceback(world):
 # the inputs that must be accepted: they are the other side of the refusals above ---------------------
 def test_a_moved_run_resumes(world):
     (world / "existing").rename(world / "moved")
-    resume, step = SpecTrainer(base_config("moved", "trainer.warmstart_dir=cache")).check_run_dir()
+    resume, step = SpecTrainer(base_config("moved")).check_run_dir()
     assert (resume, step) == (str(Path("moved/checkpoints/last.ckpt")), 3)
 
 
@@ -329,11 +329,28 @@ def test_runtime_error_under_torchrun_is_printed_once_and_last(tmp_path, monkeyp
     and stays quiet, and the one line comes after torchrun's own report."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    code = main(["fit", "tiny_cpu", "parallel.pp=2", "sft.enabled=false", "draft.mode=none", "trainer.run_dir=run",
-                 "trainer.progress_bar=false", f"rollout.kv_cache_gib={0.999 * MEMORY_GIB:.2f}"])
+    overrides = ["parallel.pp=2", "sft.enabled=false", "draft.mode=none", "trainer.run_dir=run",
+                 "trainer.progress_bar=false"]
+    code = main(["fit", "tiny_cpu", *overrides, f"rollout.kv_cache_gib={0.999 * MEMORY_GIB:.2f}"])
     err = capfd.readouterr().err
     assert code == 2, err
     reports = [line for line in err.splitlines() if "vLLM failed to start" in line]
     assert len(reports) == 1, err
     assert reports[0].startswith("error: ") and "rollout.kv_cache_gib" in reports[0], err
     assert err.rstrip().endswith(reports[0]), err
+    # the run directory it started does not lock out the fixed command: that one resumes it
+    fixed = load_config("tiny_cpu", [*overrides, "rollout.kv_cache_gib=0.5"])
+    assert SpecTrainer(fixed).check_run_dir() == (None, 0)
+
+
+def test_a_cache_appears_in_one_rename_and_never_over_another(tmp_path):
+    cache = tmp_path / "warmstart"
+    cache.mkdir()  # an empty directory may become the cache
+    with writing_cache(cache) as scratch:
+        (scratch / CACHE_META).write_text(json.dumps({"settings": {"seed": 0}}))
+    assert cached(cache, {"seed": 0}, "warm-start policy")
+    before = tree_state(tmp_path)
+    with pytest.raises(RunDirError, match="another run wrote it meanwhile"):
+        with writing_cache(cache) as scratch:  # a second run that trained at the same time
+            (scratch / CACHE_META).write_text(json.dumps({"settings": {"seed": 0}}))
+    assert tree_state(tmp_path) == before
