@@ -55,7 +55,7 @@ def _relaunch(nproc: int, args) -> int:
         errors = errors_path.read_text().splitlines() if errors_path.is_file() else []
     for message in dict.fromkeys(errors):  # ranks that hit the same error report it once
         print(f"error: {message}", file=sys.stderr)
-    return 2 if errors else code
+    return code if code > 128 else 2 if errors else code  # > 128: stopped by a signal, with a checkpoint
 
 
 def _show_config(args) -> int:

@@ -154,6 +154,10 @@ class TrainerConfig:
     callbacks: list[CallbackConfig] = field(default_factory=list)
 
 
+VLLM_KWARGS_SET_BY_SPECTRAIN = ("model", "dtype", "max_model_len", "seed", "enforce_eager", "enable_prefix_caching",
+                                "disable_log_stats", "kv_cache_memory_bytes", "speculative_config")
+
+
 @dataclass
 class SyncConfig:
     on_mismatch: str = "raise"  # raise | warn: an engine that does not serve the synced weights stops the run, or is re-synced
@@ -407,6 +411,9 @@ def _check_rollout(c: SpecTrainConfig) -> None:
     _require(0 < r.top_p <= 1, "rollout.top_p", f"is {r.top_p}; it must be in (0, 1]")
     _require(r.kv_cache_gib > 0, "rollout.kv_cache_gib",
              f"is {r.kv_cache_gib}; give the vLLM KV cache size in GiB, > 0 (fractions are honoured, e.g. 0.5)")
+    managed = sorted(set(r.vllm_kwargs) & set(VLLM_KWARGS_SET_BY_SPECTRAIN))
+    _require(not managed, "rollout.vllm_kwargs", f"sets {managed}, which spectrain sets itself: use rollout.max_model_len, "
+             f"rollout.kv_cache_gib, draft.* and trainer.seed instead, and drop them from rollout.vllm_kwargs")
 
 
 def _check_grpo(c: SpecTrainConfig) -> None:
@@ -465,6 +472,16 @@ def _check_speculation(c: SpecTrainConfig) -> None:
                  "spot training runs on the rollout process only; use it with parallel.dp=cp=pp=1")
 
 
+def _check_sync(c: SpecTrainConfig) -> None:
+    d = c.draft
+    _one_of(d.on_dead, "draft.on_dead", ("raise", "disable"))
+    _require(0 < d.collapse_ratio < 1, "draft.collapse_ratio", f"is {d.collapse_ratio}; it must be in (0, 1)")
+    _one_of(c.sync.on_mismatch, "sync.on_mismatch", ("raise", "warn"))
+    for key in ("logprob_tolerance", "weight_rtol"):
+        value = getattr(c.sync, key)
+        _require(value is None or value > 0, f"sync.{key}", f"is {value}; it must be > 0 (or null for the dtype's default)")
+
+
 def _check_trainer(c: SpecTrainConfig) -> None:
     t = c.trainer
     _one_of(t.resume, "trainer.resume", ("auto", "never"))
@@ -486,12 +503,5 @@ def validate(c: SpecTrainConfig) -> None:
     """Reject impossible values before any work starts; every message names the key and the fix."""
     _check_ranges(c)
     for check in (_check_policy, _check_task, _check_rollout, _check_grpo, _check_draft, _check_parallel,
-                  _check_speculation, _check_trainer):
+                  _check_speculation, _check_sync, _check_trainer):
         check(c)
-    d = c.draft
-    _one_of(d.on_dead, "draft.on_dead", ("raise", "disable"))
-    _require(0 < d.collapse_ratio < 1, "draft.collapse_ratio", "must be in (0, 1)")
-    _one_of(c.sync.on_mismatch, "sync.on_mismatch", ("raise", "warn"))
-    for key in ("logprob_tolerance", "weight_rtol"):
-        value = getattr(c.sync, key)
-        _require(value is None or value > 0, f"sync.{key}", f"must be > 0 (or null for the dtype's default), got {value}")

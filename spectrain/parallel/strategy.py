@@ -9,6 +9,7 @@ the whole model, so rank 0 writes a plain single-file checkpoint.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from datetime import timedelta
@@ -32,11 +33,32 @@ STRATEGY_NAME = "spec_parallel"
 
 
 def relaunch_under_torchrun(nproc: int, cli_args: list[str]) -> int:
-    """Run `spectrain <cli_args>` as `nproc` local processes under torch.distributed.run; its exit code."""
+    """Run `spectrain <cli_args>` as `nproc` local processes under torch.distributed.run; its exit code.
+
+    SIGINT and SIGTERM are forwarded to the ranks themselves, which finish the step and save a
+    checkpoint (`StopOnSignal`); torchrun's agent, had it got them, would kill the ranks 30 s
+    later. The exit code is then 128 + the signal, as if this process had stopped on it.
+    """
+    import psutil
+
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "spectrain.cli", *cli_args]
     print(f"[spectrain] launching {nproc} processes: {' '.join(cmd)}", file=sys.stderr, flush=True)
-    return subprocess.call(cmd)
+    agent = subprocess.Popen(cmd, start_new_session=True)  # a terminal's Ctrl-C reaches only this process
+    received = []
+
+    def forward(signum, frame) -> None:
+        received.append(signum)
+        for rank in psutil.Process(agent.pid).children():
+            rank.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = agent.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 + received[0] if received else code
 
 
 class SpecParallelStrategy(ParallelStrategy):

@@ -151,10 +151,8 @@ class VLLMRolloutEngine:
         kwargs = dict(model=str(policy_dir), dtype=dtype, max_model_len=max_model_len, seed=seed,
                       enforce_eager=True, enable_prefix_caching=False, disable_log_stats=False,
                       kv_cache_memory_bytes=kv_bytes)
-        reserved = sorted(set(vllm_kwargs or {}) & (set(kwargs) | {"speculative_config"}))
-        if reserved:
-            raise RolloutEngineError(f"rollout.vllm_kwargs sets {reserved}, which spectrain sets itself: use "
-                                     f"rollout.max_model_len, rollout.kv_cache_gib, draft.* and trainer.seed instead")
+        assert not set(vllm_kwargs or {}) & set(kwargs), "config.validate refuses what spectrain sets itself"
+        assert set(kwargs) | {"speculative_config"} <= set(VLLM_KWARGS_SET_BY_SPECTRAIN)
         kwargs.update(vllm_kwargs or {})
         if draft_dir:
             spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": num_speculative_tokens}
