@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from spectrain.config import VLLM_KWARGS_SET_BY_SPECTRAIN
 from spectrain.errors import ConfigError, RolloutEngineError
 from spectrain.rollout import vllm_cpu_fixes
 from spectrain.rollout.base import Completion, LoadStats, NamedTensors, SamplingConfig, SpecDecodeCounters
