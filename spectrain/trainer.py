@@ -193,8 +193,10 @@ class SpecTrainer:
                                          self.config.rollout.eval_samples, warmstart=self.warm_eval))
         callbacks += self.recipe_callbacks
         callbacks += self.extra_callbacks
+        # one last.ckpt, also when StopOnSignal wrote it (no last-v1.ckpt beside it)
         callbacks.append(ModelCheckpoint(dirpath=self.run_dir / "checkpoints", save_last=True, save_top_k=0,
-                                         every_n_train_steps=self.config.trainer.checkpoint_every_n_steps))
+                                         every_n_train_steps=self.config.trainer.checkpoint_every_n_steps,
+                                         enable_version_counter=False))
         # RunHistory last but one: its step time covers every other hook; StopOnSignal last: its checkpoint
         # holds every callback's state of the step
         return callbacks + [RunHistory(), StopOnSignal(str(self.last_checkpoint))]
