@@ -305,10 +305,18 @@ class SpecTrainer:
 
     def _check_engine_inputs(self) -> None:
         """What vLLM would refuse only when it starts, or at the first rollout: after the warm start."""
+        from spectrain.rollout.adaptive import needs_calibration
         from spectrain.rollout.vllm_engine import check_attention_head_size, kv_cache_bytes
 
         kv_cache_bytes(self.config.rollout.kv_cache_gib)
         check_attention_head_size(self.config.policy.hidden_size // self.config.policy.num_attention_heads)
+        p = self.config.parallel
+        if p.pp * p.dp * p.cp > 1 and needs_calibration(self.config, self.run_dir):
+            # measuring C starts and stops a second engine, which would tear down the ranks' process group
+            raise ConfigError(f"speculation.verify_budget: speculation.mode={self.config.speculation.mode} needs the "
+                              f"verify budget C, and a multi-process run cannot measure it itself: run `spectrain "
+                              f"calibrate` with the same recipe and overrides first (it writes "
+                              f"{self.run_dir}/calibration.json), or set speculation.verify_budget=N")
 
     def check_warmstart_cache(self) -> None:
         """Refuse, before any training, a warm-start cache trained under other settings (never overwritten)."""

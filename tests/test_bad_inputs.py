@@ -121,6 +121,8 @@ ROWS = [
      r"rollout\.vllm_kwargs: sets \['seed'\], which spectrain sets itself", None),
     ("vllm_kwargs sets the dtype", [*FIT, NEW, "rollout.vllm_kwargs={dtype: bfloat16, enforce_eager: false}"],
      r"rollout\.vllm_kwargs: sets \['dtype', 'enforce_eager'\]", None),
+    ("adaptive k under pp without C", [*FIT, NEW, "speculation.mode=concurrency", "draft.num_speculative_tokens=4",
+                                       "parallel.pp=2"], r"speculation\.verify_budget: .*run `spectrain calibrate`", None),
     ("unknown sync mode", [*FIT, NEW, "sync.on_mismatch=ignore"], r"sync\.on_mismatch: 'ignore' is not one of", None),
     ("negative logprob tolerance", [*FIT, NEW, "sync.logprob_tolerance=-1"], r"sync\.logprob_tolerance: is -1\.0", None),
     ("zero weight tolerance", [*FIT, NEW, "sync.weight_rtol=0"], r"sync\.weight_rtol: is 0\.0", None),
