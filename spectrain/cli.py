@@ -31,7 +31,8 @@ def _fit(args) -> int:
 
     config = load_config(args.recipe, args.overrides)
     p = config.parallel
-    if p.pp * p.dp * p.cp > 1 and "LOCAL_WORLD_SIZE" not in os.environ:  # not under torchrun yet: start it
+    # not under torchrun yet: start it (its run id, not LOCAL_WORLD_SIZE, which an in-process vLLM engine sets)
+    if p.pp * p.dp * p.cp > 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
         SpecTrainer(config).check_inputs()  # a bad input fails here, once, and writes nothing
         return _relaunch(p.pp * p.dp * p.cp, args)
     result = SpecTrainer(config).fit()
