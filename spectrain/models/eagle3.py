@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft, co-trained from the policy's own hidden states (REFERENCE.md 2-3).
+"""The EAGLE-3 draft, co-trained from the policy's own hidden states (docs/cotraining.md).
 
 Parameter names, the midlayer's data flow and the checkpoint format are those of vLLM's
 `Eagle3LlamaForCausalLM` (vllm/model_executor/models/llama_eagle3.py), so a trained draft

@@ -1,4 +1,4 @@
-"""EAGLE-3 training-time-test (TTT) branch attention (docs: REFERENCE.md section 3).
+"""EAGLE-3 training-time-test (TTT) branch attention (docs/cotraining.md).
 
 In pass ``d`` the query at anchor ``i`` attends to the causal trunk of pass-1 keys of its
 document plus one diagonal key per earlier pass ``p = 2..d`` at the same anchor ``i``.

@@ -2,7 +2,7 @@
 
 EAGLE-3 trains on the embedding output and the residual stream entering a few aux layers,
 but under pipeline parallelism those tensors are produced on earlier stages while the draft
-lives on the last stage (REFERENCE.md 5). Relaying them through the schedule's activations
+lives on the last stage (docs/pipeline_parallel.md). Relaying them through the schedule's activations
 would change the schedule; blocking sends inside the forward share ordering with the
 schedule's own P2P traffic and stall (or deadlock) it. TapChannel instead:
 

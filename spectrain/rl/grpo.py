@@ -1,4 +1,4 @@
-"""GRPO: group-normalised advantages and the token-level clipped policy loss (REFERENCE.md 7)."""
+"""GRPO: group-normalised advantages and the token-level clipped policy loss."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -70,7 +70,7 @@ def _check_float(name: str, value: Any, *, lo: float, lo_open: bool, hi: float |
 
 @dataclass(frozen=True)
 class RuleDecision:
-    """What the concurrency-aware rule says for one batch size (REFERENCE.md section 6)."""
+    """What the concurrency-aware rule says for one batch size (docs/adaptive_speculation.md)."""
 
     batch_size: int
     verify_tokens: int  # N_v: tokens verified per sequence per step (drafts + the bonus token)

@@ -3,7 +3,7 @@
 The engine runs in the trainer's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so weight
 sync is a function call. On CPU the backend prepacks linear weights after loading, so the
 regular `load_weights` path fails on a live engine; both syncs go through vLLM's in-place
-`reload_weights`, which re-runs the loader's post-processing (REFERENCE.md section 1).
+`reload_weights`, which re-runs the loader's post-processing.
 Prefix caching is off: prompts repeat across steps and a cached KV from older weights would
 silently mix two policies in one rollout.
 """
@@ -289,7 +289,7 @@ class VLLMRolloutEngine:
     def sync_draft(self, weights: NamedTensors, version: int) -> None:
         if self.draft_dir is None:
             raise RolloutEngineError("sync_draft called on an engine started without a draft (draft.mode=none)")
-        # copies: vLLM may alias a draft lm_head that equals the target's (REFERENCE.md 1)
+        # copies: vLLM may alias a draft lm_head that equals the target's
         items = [(name, t.detach().clone()) for name, t in weights]
         self.llm.collective_rpc(_reload_drafter, args=(items,))
         self.draft_version = version
