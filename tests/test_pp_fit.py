@@ -11,6 +11,9 @@ ones clip (`clip_fraction` > 0).
 """
 import math
 import os
+import signal
+import threading
+import time
 
 import pytest
 import torch
@@ -184,18 +187,33 @@ def test_parallel_fits_reproduce_one_process(tmp_path):
         assert diffs[0] == pytest.approx(float(got[-1]["policy/engine_logprob_diff"]), rel=RTOL), name
 
 
+def _sigterm_once_logged(run_dir, timeout_s: float = 600.0) -> None:
+    """SIGTERM to this process (the launcher, as a scheduler would) once rank 0 has logged a step."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(r.get("policy/loss") for r in metrics(run_dir)) if (run_dir / "logs").is_dir() else False:
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        time.sleep(0.2)
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_fit_pp2_end_to_end(tmp_path):
     """`spectrain fit ... parallel.pp=2` as users run it: the CLI starts torchrun, rank 0 drives real vLLM, and
-    the metrics the last stage computes reach the logger on rank 0."""
+    the metrics the last stage computes reach the logger on rank 0. A SIGTERM to the launching process
+    reaches the ranks, which checkpoint and stop (exit 143); the same command resumes, each step logged once."""
     run_dir = tmp_path / "run"
     # no KL (single-rank layouts only); grpo.lr=1e-3 so that the later updates clip (at 3e-5 nothing does)
     overrides = [*TINY, "grpo.kl_beta=0", "grpo.lr=1e-3", "grpo.minibatches=2", "parallel.pp=2",
-                 "parallel.microbatches=2", "trainer.max_steps=2", f"trainer.run_dir={run_dir}"]
+                 "parallel.microbatches=2", "trainer.max_steps=4", f"trainer.run_dir={run_dir}"]
+    threading.Thread(target=_sigterm_once_logged, args=(run_dir,), daemon=True).start()
+    assert cli_main(["fit", "tiny_cpu", *overrides]) == 143
+    stopped_at = len([r for r in metrics(run_dir) if r.get("policy/loss")])
+    assert 1 <= stopped_at < 4 and (run_dir / "checkpoints/last.ckpt").is_file()
     assert cli_main(["fit", "tiny_cpu", *overrides]) == 0
     rows = [r for r in metrics(run_dir) if r.get("policy/loss")]
-    assert [int(r["step"]) for r in rows] == [0, 1]
+    assert [int(r["step"]) for r in rows] == [0, 1, 2, 3]
     for r in rows:  # measured: clip fraction 0.12, 0.04; engine_logprob_diff 1.8e-7, 1.6e-7
         assert 0 < float(r["policy/clip_fraction"]) <= 1 and 0 < float(r["policy/engine_logprob_diff"]) < 1e-3, r
         assert 0 <= float(r["reward"]) <= 1 and math.isfinite(float(r["draft/loss"])), r
