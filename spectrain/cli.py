@@ -9,6 +9,7 @@ torchrun's own report.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -16,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from spectrain.config import DEFAULT_RECIPE, load_config, to_yaml
-from spectrain.errors import SpecTrainError
+from spectrain.errors import ConfigError, SpecTrainError
 
 BENCHMARKS = ("drift", "cp", "pp", "adaptive")
 ERROR_FILE_ENV = "SPECTRAIN_ERROR_FILE"  # set for the ranks by a relaunching `spectrain fit`: they report to it
@@ -27,7 +28,7 @@ def _rank() -> int:
 
 
 def _fit(args) -> int:
-    from spectrain.trainer import SpecTrainer
+    from spectrain.train.trainer import SpecTrainer
 
     config = load_config(args.recipe, args.overrides)
     p = config.parallel
@@ -65,7 +66,7 @@ def _show_config(args) -> int:
 
 
 def _calibrate(args) -> int:
-    from spectrain.rollout.adaptive import calibrate
+    from spectrain.rollout.speculation._adaptive_old import calibrate
 
     result, path = calibrate(load_config(args.recipe, args.overrides))
     for n, t, per in zip(result.token_counts, result.times_s, result.per_token_s):
@@ -76,7 +77,15 @@ def _calibrate(args) -> int:
 
 
 def _bench(args) -> int:
-    module = __import__(f"spectrain.bench.{args.name}", fromlist=["main"])
+    """Benchmarks live beside the package in the source tree (`benchmarks/`), not in the wheel."""
+    repo = Path(__file__).resolve().parents[1]
+    if not (repo / "benchmarks" / f"{args.name}.py").is_file():
+        raise ConfigError(f"benchmark '{args.name}': no {repo / 'benchmarks'} folder; benchmarks ship with the source "
+                          f"repository, not the installed package: run `spectrain bench` from a clone installed with "
+                          f"`pip install -e .` (`make setup`)")
+    if str(repo) not in sys.path:
+        sys.path.insert(0, str(repo))
+    module = importlib.import_module(f"benchmarks.{args.name}")
     return module.main(args.overrides) or 0
 
 

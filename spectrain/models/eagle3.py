@@ -227,7 +227,7 @@ class Eagle3Draft(nn.Module):
 def shift_within_docs(x: torch.Tensor, cu_seqlens: torch.Tensor, shift: int, fill: float = 0) -> torch.Tensor:
     """Row i of the result is `x[i + shift]` if that row is in i's document, else `fill`.
 
-    The single-rank version of the CP-aware shift (`spectrain.parallel.zigzag.shift_left`
+    The single-rank version of the CP-aware shift (`spectrain.parallel.cp.zigzag.shift_left`
     has the same semantics on zigzag shards), so TTT never looks across a document.
     """
     n = x.shape[0]

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from spectrain.models.llama import CausalLMOutput, LlamaForCausalLM
-from spectrain.rl.batch import RolloutBatch
+from spectrain.batch import RolloutBatch
 
 # (logits [T, V] of this rank's tokens, the matching batch part) -> (this part's share of the
 # global loss, logprobs of its targets)

@@ -118,10 +118,10 @@ class SpecParallelStrategy(ParallelStrategy):
     def build_plan(self):
         """The `TrainPlan` for this mesh: `PipelinePlan` for pp > 1, else `ContextParallelPlan`."""
         if self.parallel.pp > 1:
-            from spectrain.parallel.pipeline_plan import PipelinePlan
+            from spectrain.parallel.pp.plan import PipelinePlan
 
             return PipelinePlan(self.mesh, self.parallel.pp_schedule, self.parallel.microbatches)
-        from spectrain.parallel.context_parallel import ContextParallelPlan
+        from spectrain.parallel.cp.plan import ContextParallelPlan
 
         return ContextParallelPlan(self.mesh)
 

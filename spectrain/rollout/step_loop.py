@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from spectrain.rollout.base import Completion, SamplingConfig
-from spectrain.rollout.vllm_engine import RolloutEngineError, VLLMRolloutEngine, to_completions
+from spectrain.rollout.engine import Completion, SamplingConfig
+from spectrain.rollout.vllm.engine import RolloutEngineError, VLLMRolloutEngine, to_completions
 
 
 @dataclass

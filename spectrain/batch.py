@@ -1,0 +1,71 @@
+"""The packed rollout batch: a plain data type below the parallel layouts and the training step.
+
+Documents are prompt + completion, packed back to back (`cu_seqlens`); `parallel/` shards and
+microbatches it, `train/` computes the GRPO and draft losses on it.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from spectrain.models.llama import pack_sequences
+
+
+@dataclass
+class RolloutBatch:
+    """A packed batch; position `t` predicts token `t + 1` of its own document.
+
+    `response_mask[t]` is 1 where the predicted token is a sampled (response) token, so
+    prompts never carry loss. `targets[t]` is -1 at the last token of each document.
+    """
+
+    input_ids: torch.Tensor  # [T]
+    position_ids: torch.Tensor  # [T]
+    cu_seqlens: torch.Tensor  # [N + 1]
+    targets: torch.Tensor  # [T]
+    response_mask: torch.Tensor  # [T] bool
+    advantages: torch.Tensor  # [T] float32, the document's advantage on every token
+    rollout_logprobs: torch.Tensor  # [T] float32, the engine's logprob of targets (0 off-response)
+
+    @property
+    def num_docs(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    @property
+    def num_response_tokens(self) -> int:
+        return int(self.response_mask.sum())
+
+    def select(self, doc_indices: list[int]) -> "RolloutBatch":
+        """The sub-batch of the given documents (microbatching, dp sharding)."""
+        starts, ends = self.cu_seqlens[:-1].tolist(), self.cu_seqlens[1:].tolist()
+        rows = torch.cat([torch.arange(starts[i], ends[i]) for i in doc_indices])
+        lengths = torch.tensor([ends[i] - starts[i] for i in doc_indices])
+        cu = torch.zeros(len(doc_indices) + 1, dtype=self.cu_seqlens.dtype)
+        cu[1:] = torch.cumsum(lengths, 0)
+        return RolloutBatch(self.input_ids[rows], self.position_ids[rows], cu, self.targets[rows],
+                            self.response_mask[rows], self.advantages[rows], self.rollout_logprobs[rows])
+
+
+def build_rollout_batch(completions: Sequence, advantages: torch.Tensor) -> RolloutBatch:
+    """Pack completions (anything with `prompt_ids`, `token_ids` and `logprobs`, e.g. the rollout
+    engine's `Completion`) with one advantage each."""
+    assert advantages.shape == (len(completions),), (
+        f"one advantage per completion: {tuple(advantages.shape)} vs {len(completions)}")
+    seqs = [c.prompt_ids + c.token_ids for c in completions]
+    input_ids, position_ids, cu = pack_sequences(seqs)
+    total = input_ids.numel()
+    targets = torch.full((total,), -1, dtype=torch.long)
+    mask = torch.zeros(total, dtype=torch.bool)
+    adv = torch.zeros(total, dtype=torch.float32)
+    old = torch.zeros(total, dtype=torch.float32)
+    for i, c in enumerate(completions):
+        start, end = int(cu[i]), int(cu[i + 1])
+        targets[start:end - 1] = input_ids[start + 1:end]
+        first = start + len(c.prompt_ids) - 1  # position predicting the first response token
+        mask[first:end - 1] = True
+        adv[start:end] = float(advantages[i])
+        if c.logprobs:
+            old[first:first + len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
+    return RolloutBatch(input_ids, position_ids, cu, targets, mask, adv, old)

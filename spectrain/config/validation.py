@@ -1,0 +1,208 @@
+"""`validate`: every impossible value refused at load time, naming the key and the fix."""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+from spectrain.config.schema import (PP_STAGES_PER_RANK, VLLM_KWARGS_SET_BY_SPECTRAIN, SpecTrainConfig)
+from spectrain.errors import ConfigError
+from spectrain.tasks.rewards import REWARD_FNS
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+def _one_of(value: str, key: str, allowed: tuple[str, ...]) -> None:
+    _require(value in allowed, key, f"'{value}' is not one of {list(allowed)}")
+
+
+def _check_pipeline(c: SpecTrainConfig) -> None:
+    """What `PipelinePlan` and torch's schedules would reject mid-run, rejected at load time."""
+    p, par = c.policy, c.parallel
+    stages = par.pp * PP_STAGES_PER_RANK[par.pp_schedule]
+    per_rank = "" if stages == par.pp else f" ({par.pp_schedule} runs {stages // par.pp} per rank)"
+    _require(stages <= p.num_hidden_layers, "parallel.pp",
+             f"{stages} pipeline stages{per_rank} but the policy has only {p.num_hidden_layers} layers; lower "
+             f"parallel.pp, raise policy.num_hidden_layers" + (" or use pp_schedule=1F1B" if per_rank else ""))
+    _require(par.pp_schedule != "1F1B" or par.microbatches >= stages, "parallel.microbatches",
+             f"1F1B needs at least one microbatch per stage ({stages}), got {par.microbatches}; raise "
+             f"parallel.microbatches to >= {stages} or use parallel.pp_schedule=GPipe")
+    rounds = max(1, par.microbatches // par.pp)
+    _require(par.pp_schedule != "Interleaved1F1B" or par.microbatches % rounds == 0, "parallel.microbatches",
+             f"Interleaved1F1B runs microbatches in rounds of parallel.pp={par.pp}: {par.microbatches} is not a "
+             f"multiple of its {rounds} rounds; use a multiple of {par.pp}")
+    _require(not p.tie_word_embeddings, "policy.tie_word_embeddings",
+             "tied embeddings would put lm_head.weight on the first and the last stage; set it false or parallel.pp=1")
+    docs = c.rollout.prompts_per_step * c.rollout.group_size // c.grpo.minibatches  # the smallest update's
+    _require(docs >= par.dp * par.microbatches, "parallel.microbatches",
+             f"each of parallel.dp={par.dp} ranks cuts its documents into {par.microbatches} microbatches, but an "
+             f"update has only {docs} (rollout.prompts_per_step x group_size / grpo.minibatches); lower "
+             f"parallel.microbatches or grpo.minibatches, or send more")
+
+
+# sizes and counts that anything downstream divides by, loops over or allocates from
+_AT_LEAST_ONE = (
+    "policy.hidden_size", "policy.intermediate_size", "policy.num_hidden_layers", "policy.num_attention_heads",
+    "policy.num_key_value_heads", "policy.max_position_embeddings", "task.digits", "sft.batch_size",
+    "rollout.prompts_per_step", "rollout.max_new_tokens", "rollout.max_model_len", "rollout.eval_prompts",
+    "grpo.minibatches", "grpo.epochs", "draft.num_speculative_tokens", "draft.ttt_steps", "draft.every_n_steps",
+    "parallel.dp", "parallel.cp", "parallel.pp", "parallel.microbatches", "speculation.bandit.window",
+    "speculation.bandit.min_plays", "speculation.long_tail.threshold", "trainer.log_every_n_steps",
+    "trainer.checkpoint_every_n_steps",
+)
+_AT_LEAST_ZERO = ("draft.warmup_steps", "grpo.kl_beta", "grpo.weight_decay", "speculation.long_tail.max_steps",
+                  "trainer.max_steps", "trainer.eval_every_n_steps")
+_POSITIVE = ("sft.lr", "grpo.lr", "grpo.clip_eps", "grpo.adv_eps", "grpo.grad_clip", "draft.lr", "draft.grad_clip")
+_MAX_SEED = 2**32 - 1  # Lightning's seed_everything accepts 0..2^32-1
+
+
+def _value(c: SpecTrainConfig, key: str) -> Any:
+    return functools.reduce(getattr, key.split("."), c)
+
+
+def _check_ranges(c: SpecTrainConfig) -> None:
+    """The plain bounds, first: later checks divide by these values."""
+    for key in _AT_LEAST_ONE:
+        _require(_value(c, key) >= 1, key, f"is {_value(c, key)}; it must be >= 1")
+    for key in _AT_LEAST_ZERO:
+        _require(_value(c, key) >= 0, key, f"is {_value(c, key)}; it must be >= 0")
+    for key in _POSITIVE:
+        _require(_value(c, key) > 0, key, f"is {_value(c, key)}; it must be > 0 (e.g. the default "
+                                          f"{_value(SpecTrainConfig(), key)})")
+
+
+def _check_policy(c: SpecTrainConfig) -> None:
+    p = c.policy
+    _require(p.num_attention_heads % p.num_key_value_heads == 0, "policy.num_key_value_heads",
+             f"num_attention_heads={p.num_attention_heads} must be a multiple of it")
+    _require(p.hidden_size % p.num_attention_heads == 0, "policy.hidden_size",
+             f"must be divisible by num_attention_heads={p.num_attention_heads}")
+    head_dim = p.hidden_size // p.num_attention_heads
+    _require(head_dim % 2 == 0, "policy.hidden_size", f"hidden_size / num_attention_heads = {head_dim} must be even "
+             f"(rotary embeddings rotate pairs of dimensions)")
+    _require(c.rollout.max_model_len <= p.max_position_embeddings, "rollout.max_model_len",
+             f"{c.rollout.max_model_len} exceeds policy.max_position_embeddings={p.max_position_embeddings}; "
+             f"raise the latter or lower the former")
+
+
+def _check_task(c: SpecTrainConfig) -> None:
+    t = c.task
+    _one_of(t.name, "task.name", ("arithmetic", "jsonl"))
+    _one_of(t.on_bad_row, "task.on_bad_row", ("skip", "error"))
+    _require(t.name != "jsonl" or bool(t.path), "task.path", "task.name=jsonl needs task.path=/path/to/prompts.jsonl")
+    _require(t.operands >= 2, "task.operands", f"is {t.operands}; an arithmetic prompt needs >= 2 operands")
+    _one_of(t.reward, "task.reward", tuple(sorted(REWARD_FNS)))
+    _require(0 <= t.partial_credit < 1, "task.partial_credit",
+             f"is {t.partial_credit}; it must be in [0, 1): a wrong answer must score below a right one")
+    _require(not c.sft.enabled or c.sft.steps >= 1, "sft.steps",
+             f"is {c.sft.steps}; it must be >= 1 (set sft.enabled=false to skip the warm start)")
+
+
+def _check_rollout(c: SpecTrainConfig) -> None:
+    r = c.rollout
+    _require(r.group_size >= 2, "rollout.group_size",
+             f"is {r.group_size}; GRPO normalises rewards within a group, so it needs >= 2 samples per prompt")
+    _require(r.eval_samples >= 2, "rollout.eval_samples",
+             f"is {r.eval_samples}; the held-out standard error needs >= 2 samples per prompt")
+    _require(r.temperature > 0, "rollout.temperature",
+             f"is {r.temperature}; GRPO needs sampling (greedy decoding gives a group identical completions and "
+             f"so no advantage): use a temperature > 0, e.g. 1.0")
+    _require(0 < r.top_p <= 1, "rollout.top_p", f"is {r.top_p}; it must be in (0, 1]")
+    _require(r.kv_cache_gib > 0, "rollout.kv_cache_gib",
+             f"is {r.kv_cache_gib}; give the vLLM KV cache size in GiB, > 0 (fractions are honoured, e.g. 0.5)")
+    managed = sorted(set(r.vllm_kwargs) & set(VLLM_KWARGS_SET_BY_SPECTRAIN))
+    _require(not managed, "rollout.vllm_kwargs", f"sets {managed}, which spectrain sets itself: use rollout.max_model_len, "
+             f"rollout.kv_cache_gib, draft.* and trainer.seed instead, and drop them from rollout.vllm_kwargs")
+
+
+def _check_grpo(c: SpecTrainConfig) -> None:
+    g, r, par = c.grpo, c.rollout, c.parallel
+    _require(g.kl_beta == 0 or (par.cp == 1 and par.pp == 1), "grpo.kl_beta",
+             "the KL term needs whole documents on one rank: set parallel.cp=1 and parallel.pp=1, or grpo.kl_beta=0")
+    docs = r.prompts_per_step * r.group_size
+    _require(g.minibatches * par.dp <= docs, "grpo.minibatches",
+             f"times parallel.dp={par.dp} must be in [1, prompts_per_step * group_size = {docs}]: "
+             f"every data-parallel rank needs at least one completion per minibatch")
+
+
+def _check_draft(c: SpecTrainConfig) -> None:
+    d, layers = c.draft, c.policy.num_hidden_layers
+    _one_of(d.mode, "draft.mode", ("cotrained", "frozen", "none"))
+    _require(0 < d.pass_decay <= 1, "draft.pass_decay", f"is {d.pass_decay}; it must be in (0, 1]")
+    if d.aux_layer_ids is not None:
+        bad = [i for i in d.aux_layer_ids if not 0 <= i < layers]
+        _require(not bad and len(d.aux_layer_ids) == 3, "draft.aux_layer_ids",
+                 f"{list(d.aux_layer_ids)} must be 3 layer ids in 0..{layers - 1}, e.g. draft.aux_layer_ids=[0,1,2]")
+    elif d.mode != "none":
+        _require(layers >= 4, "policy.num_hidden_layers",
+                 "EAGLE-3's default aux layers (2, n//2, n-3) need >= 4 layers; set draft.aux_layer_ids")
+
+
+def _check_parallel(c: SpecTrainConfig) -> None:
+    _one_of(c.parallel.pp_schedule, "parallel.pp_schedule", tuple(PP_STAGES_PER_RANK))
+    if c.parallel.pp > 1:
+        _check_pipeline(c)
+
+
+def _check_speculation(c: SpecTrainConfig) -> None:
+    s, d, par = c.speculation, c.draft, c.parallel
+    b = s.bandit
+    _one_of(s.mode, "speculation.mode", ("fixed", "concurrency", "bandit"))
+    _require(s.verify_budget is None or s.verify_budget >= 1, "speculation.verify_budget",
+             f"is {s.verify_budget}; it must be >= 1 tokens, or null to read the run's calibration")
+    _require(0 <= b.epsilon <= 1, "speculation.bandit.epsilon", f"is {b.epsilon}; it must be in [0, 1]")
+    _require(b.min_plays <= b.window, "speculation.bandit.min_plays",
+             f"is {b.min_plays}; it must be <= speculation.bandit.window={b.window}")
+    edges = [1, *b.bucket_edges]
+    _require(all(lo < hi for lo, hi in zip(edges, edges[1:])), "speculation.bandit.bucket_edges",
+             f"{list(b.bucket_edges)} must be strictly increasing batch sizes > 1, e.g. [4, 16, 64]")
+    _require(s.mode == "fixed" or d.mode != "none", "speculation.mode",
+             f"'{s.mode}' adapts the draft's k, but draft.mode=none; use speculation.mode=fixed")
+    if s.mode == "bandit":
+        _require(len(b.arms) >= 1 and len(set(b.arms)) == len(b.arms), "speculation.bandit.arms",
+                 f"{list(b.arms)} must list one or more distinct k values, e.g. [1, 2, 3]")
+        _require(all(0 <= k <= d.num_speculative_tokens for k in b.arms), "speculation.bandit.arms",
+                 f"{list(b.arms)} must be in 0..draft.num_speculative_tokens={d.num_speculative_tokens} "
+                 f"(the engine's k_max)")
+    if s.long_tail.enabled:
+        _require(d.mode == "cotrained", "speculation.long_tail.enabled", f"spot training trains the draft, but "
+                 f"draft.mode={d.mode}; set draft.mode=cotrained or disable the long tail")
+        _require(par.dp * par.cp * par.pp == 1, "speculation.long_tail.enabled",
+                 "spot training runs on the rollout process only; use it with parallel.dp=cp=pp=1")
+
+
+def _check_sync(c: SpecTrainConfig) -> None:
+    d = c.draft
+    _one_of(d.on_dead, "draft.on_dead", ("raise", "disable"))
+    _require(0 < d.collapse_ratio < 1, "draft.collapse_ratio", f"is {d.collapse_ratio}; it must be in (0, 1)")
+    _one_of(c.sync.on_mismatch, "sync.on_mismatch", ("raise", "warn"))
+    for key in ("logprob_tolerance", "weight_rtol"):
+        value = getattr(c.sync, key)
+        _require(value is None or value > 0, f"sync.{key}", f"is {value}; it must be > 0 (or null for the dtype's default)")
+
+
+def _check_trainer(c: SpecTrainConfig) -> None:
+    t = c.trainer
+    _one_of(t.resume, "trainer.resume", ("auto", "never"))
+    _one_of(t.logger, "trainer.logger", ("csv", "tensorboard"))
+    _require(0 <= t.seed <= _MAX_SEED, "trainer.seed", f"is {t.seed}; it must be in 0..{_MAX_SEED}")
+    _require(bool(t.run_dir.strip()), "trainer.run_dir", "is empty; give the run's directory, e.g. runs/my_run")
+    _require(t.warmstart_dir is None or bool(t.warmstart_dir.strip()), "trainer.warmstart_dir",
+             "is empty; give a directory, or null for <run_dir>/warmstart")
+    _require(t.warmstart_dir is None or Path(t.warmstart_dir).resolve() != Path(t.run_dir).resolve(),
+             "trainer.warmstart_dir", "is the run directory itself; use a directory of its own, or null for "
+             "<run_dir>/warmstart")
+    for i, callback in enumerate(t.callbacks):
+        _require("." in callback.target, f"trainer.callbacks[{i}].target",
+                 f"'{callback.target}' must be the full import path of a lightning Callback class, "
+                 f"e.g. my_pkg.callbacks.MyCallback")
+
+
+def validate(c: SpecTrainConfig) -> None:
+    """Reject impossible values before any work starts; every message names the key and the fix."""
+    _check_ranges(c)
+    for check in (_check_policy, _check_task, _check_rollout, _check_grpo, _check_draft, _check_parallel,
+                  _check_speculation, _check_sync, _check_trainer):
+        check(c)

@@ -1,0 +1,159 @@
+"""`ContextParallelPlan`: the GRPO step over a dp x cp mesh (pp = 1).
+
+Every rank holds the whole rollout and a full replica of the policy and the draft. A dp
+rank takes a contiguous slice of the documents; inside its cp group each document is cut
+into the zigzag layout (``spectrain.parallel.cp.zigzag``), the policy runs with ring attention
+on its local shard, and the draft trains on the taps of that same forward, with the ring
+for its causal trunk and the boundary-exchanging shift for ``x_{i+d}``. Every loss is
+divided by a global count that each rank computes from the whole rollout, so summing the
+gradients over all dp x cp ranks gives exactly the single-process gradients.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from spectrain.models.llama import LlamaForCausalLM
+from spectrain.parallel.mesh import MESH_DIMS
+from spectrain.parallel.plan import LocalPlan, PolicyStepResult, ShiftFn, draft_inputs_from, ttt_valid_tokens
+from spectrain.parallel.cp.ring import ZigzagRingAttentionOps
+from spectrain.parallel.cp.zigzag import ZigzagLayout, shard, shift_left
+from spectrain.batch import RolloutBatch
+
+ROLLOUT_RANK = 0  # global rank that drives the engine
+
+
+def check_cp_attention_ops(ops) -> None:
+    """Fail before any work when `ops` cannot be the block backend of ring attention.
+
+    Each ring step calls ``ops.forward(q, k, v, cu_q, cu_k, causal=False, scale)`` with
+    unequal q/k lengths and ``ops.backward(..., out, lse, ...)`` with the *joint* statistics
+    (docs/dev/contracts.md). A backend that cannot do that (e.g. a causal-only kernel)
+    declares ``supports_context_parallel = False``.
+    """
+    name = type(ops).__name__
+    if isinstance(ops, ZigzagRingAttentionOps):
+        reason = "it is already ring attention; keep the local ops on the policy, the plan wraps them each step"
+    elif not (callable(getattr(ops, "forward", None)) and callable(getattr(ops, "backward", None))):
+        reason = "it has no forward(q, k, v, cu_q, cu_k, causal, scale) -> (out, lse) / backward(...) pair"
+    elif getattr(ops, "supports_context_parallel", True) is False:
+        reason = "it declares supports_context_parallel = False"
+    else:
+        return
+    raise TypeError(
+        f"context parallelism cannot run on policy.attention_ops = {name}: {reason}. Ring attention needs "
+        f"non-causal varlen blocks with an lse and a backward from the joint (out, lse); use LocalAttentionOps "
+        f"(spectrain.ops.attention) or a flash backend that has both, or train with parallel.cp=1")
+
+
+def dp_documents(num_docs: int, dp_size: int, dp_rank: int) -> list[int]:
+    """This dp rank's contiguous, near-equal share of the documents (groups stay mostly together)."""
+    if num_docs < dp_size:
+        raise ValueError(f"a batch of {num_docs} documents cannot be split over parallel.dp={dp_size} ranks; "
+                         f"raise rollout.prompts_per_step x rollout.group_size or lower parallel.dp")
+    return torch.tensor_split(torch.arange(num_docs), dp_size)[dp_rank].tolist()
+
+
+def shard_batch(batch: RolloutBatch, layout: ZigzagLayout, pad_id: int) -> RolloutBatch:
+    """This cp rank's zigzag shard of a packed batch; pad rows never count (target -1, mask False)."""
+    assert batch.input_ids.shape == (layout.num_global_tokens,), (batch.input_ids.shape, layout.num_global_tokens)
+    local = RolloutBatch(
+        input_ids=shard(batch.input_ids, layout, pad_id),
+        position_ids=layout.position_ids,  # in-document positions, continuous across the two chunks
+        cu_seqlens=layout.cu_seqlens_local,
+        targets=shard(batch.targets, layout, -1),
+        response_mask=shard(batch.response_mask, layout, False),
+        advantages=shard(batch.advantages, layout, 0.0),
+        rollout_logprobs=shard(batch.rollout_logprobs, layout, 0.0),
+    )
+    assert torch.equal(shard(batch.position_ids, layout, 0)[layout.valid], layout.position_ids[layout.valid]), (
+        "batch.position_ids must count from 0 inside every document")
+    return local
+
+
+def zigzag_shift_fn(layout: ZigzagLayout, group: dist.ProcessGroup) -> ShiftFn:
+    """`shift_fn` of `Eagle3Draft.forward` / `ttt_loss` on this layout's shards."""
+
+    def shift_fn(x: torch.Tensor, cu_seqlens: torch.Tensor, shift: int, fill: float) -> torch.Tensor:
+        assert torch.equal(cu_seqlens, layout.cu_seqlens_local), "shift_fn called on another batch's shards"
+        return shift_left(x, layout, shift, group, fill)
+
+    return shift_fn
+
+
+class ContextParallelPlan:
+    """dp x cp, every rank a full replica; rank 0 drives the engine and broadcasts the rollout."""
+
+    hosts_draft = True  # each rank trains its draft replica on its shard; gradients are summed
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        assert mesh.mesh_dim_names == MESH_DIMS, mesh.mesh_dim_names
+        if mesh["pp"].size() != 1:
+            raise ValueError(f"ContextParallelPlan covers dp x cp only; pp={mesh['pp'].size()} needs the pipeline plan")
+        self.mesh = mesh
+        self.dp_size, self.dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+        self.cp_size, self.cp_rank = mesh["cp"].size(), mesh["cp"].get_local_rank()
+        self.cp_group = mesh["cp"].get_group()
+        self.replica_group = mesh["dp", "cp"]._flatten("dp_cp").get_group()  # all ranks holding a replica
+        self.is_rollout_rank = dist.get_rank() == ROLLOUT_RANK
+
+    def prepare(self, module: nn.Module) -> None:
+        """Before any work: the policy's ops can run under CP, and every replica starts from rank 0's weights."""
+        check_cp_attention_ops(module.policy.attention_ops)
+        with torch.no_grad():
+            for t in module.state_dict().values():
+                dist.broadcast(t, src=ROLLOUT_RANK, group=self.replica_group)
+
+    def share(self, obj):
+        box = [obj]
+        dist.broadcast_object_list(box, src=ROLLOUT_RANK, group=self.replica_group)
+        return box[0]
+
+    def shard(self, batch: RolloutBatch, policy: LlamaForCausalLM) -> tuple[RolloutBatch, ZigzagLayout]:
+        """This rank's part: its dp slice of the documents, zigzag-sharded over the cp group."""
+        part = batch.select(dp_documents(batch.num_docs, self.dp_size, self.dp_rank))
+        layout = ZigzagLayout.build(part.cu_seqlens, self.cp_size, self.cp_rank,
+                                    max_seqlen=policy.cfg.max_position_embeddings)
+        return shard_batch(part, layout, policy.cfg.pad_token_id), layout
+
+    def policy_forward_backward(self, policy, batch, loss_fn, capture_layers, backward) -> PolicyStepResult:
+        local, layout = self.shard(batch, policy)
+        ops = ZigzagRingAttentionOps(self.cp_group, local_ops=policy.attention_ops)
+        local_ops, policy.attention_ops = policy.attention_ops, ops  # autograd keeps `ops` for the backward
+        try:
+            out = policy(local.input_ids, local.position_ids, local.cu_seqlens, capture_layers=capture_layers)
+        finally:
+            policy.attention_ops = local_ops
+        loss, logprobs = loss_fn(out.logits, local)
+        backward(loss)
+        inputs = [draft_inputs_from(out, local, ops, zigzag_shift_fn(layout, self.cp_group), ttt_valid_tokens(batch))
+                  ] if capture_layers else []
+        step_loss = loss.detach().clone()  # the shares add up to the step's loss: log that, not rank 0's share
+        dist.all_reduce(step_loss, group=self.replica_group)
+        return PolicyStepResult(step_loss, logprobs.detach(), local, inputs)
+
+    def reduce_gradients(self, module: nn.Module) -> None:
+        """Sum gradients over all replicas, one flat all-reduce per dtype.
+
+        Every rank runs the same graph, so every rank has gradients for the same parameters.
+        """
+        buckets: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+        for p in module.parameters():
+            if p.grad is not None:
+                buckets[p.grad.dtype].append(p.grad)
+        for grads in buckets.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.replica_group)
+            for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(summed.view_as(g))
+
+    def clip_grad_norm(self, module: nn.Module, max_norm: float) -> torch.Tensor:
+        # gradients are identical on every replica after reduce_gradients: the local norm is the global one
+        return torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)
+
+    def policy_weights(self, policy):
+        return LocalPlan().policy_weights(policy) if self.is_rollout_rank else None

@@ -1,0 +1,309 @@
+"""`PipelinePlan`: the GRPO step over a pp x dp x cp mesh (pp > 1).
+
+Every rank builds the same full policy and draft (same seed and warm start; `prepare`
+makes them rank 0's) and runs only its pipeline stage(s) of the policy (`split_policy`
+shares the parameters and keeps HF names). A step:
+
+- dp: this rank's dp slice of the rollout's documents (`dp_documents`, as under CP);
+- cp: the slice's documents enter the pipeline at their zigzag-shard lengths and each
+  microbatch is this cp rank's zigzag shard of its documents; the stage's attention runs
+  as ring attention over the cp group (all cp ranks of a stage run the same schedule, so
+  their ring exchanges line up);
+- pp: `PipelineRunner` cuts the part into `n_microbatches` packed microbatches, runs the
+  schedule unchanged, and on the last stage calls the GRPO loss per microbatch (each is
+  already normalised by the global token count, so the sum is the step loss). The draft's
+  taps travel from earlier stages over the `TapChannel`; the last stage keeps one
+  `DraftInputs` per microbatch for `DraftCoTraining`, which runs there only. They outlive
+  the step (the draft trains after all `grpo.minibatches` updates), so none may be a view of
+  a pipelining buffer, which the next `schedule.step()` refills: the taps are the channel's
+  copies, the teacher logits come out of the stage's forward, the batch out of `select`.
+
+Gradients are summed over the stage's dp x cp replicas; the clip norm is the global one
+(squared norms summed over the pp group). Weight sync gathers every stage (and the draft,
+which lives on the last stage) to global rank 0, the rollout rank; rank 0 receives them
+into its own full policy and draft, so its export and checkpoints hold the trained model.
+
+Microbatch budget. Pipelining's buffers have static shapes, so a runner is built per token
+budget: the smallest multiple of `TOKEN_MULTIPLE` into which the step's documents pack
+(`microbatch_budget`). Rounding bounds both the padding (under `TOKEN_MULTIPLE` tokens per
+microbatch beyond the tightest fit) and the number of runners kept.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import fields
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.device_mesh import DeviceMesh
+
+from spectrain.config import PP_STAGES_PER_RANK
+from spectrain.models.llama import CausalLMOutput, LlamaConfig, LlamaForCausalLM
+from spectrain.parallel.cp.plan import (
+    check_cp_attention_ops,
+    dp_documents,
+    shard_batch,
+    zigzag_shift_fn,
+)
+from spectrain.parallel.mesh import MESH_DIMS
+from spectrain.parallel.pp.stages import (
+    PipelineRunner,
+    local_stage_indices,
+    make_tap_channel,
+    plan_microbatches,
+    split_policy,
+)
+from spectrain.parallel.plan import (
+    LocalPlan,
+    PolicyLossFn,
+    PolicyStepResult,
+    draft_inputs_from,
+    ttt_valid_tokens,
+)
+from spectrain.parallel.cp.ring import ZigzagRingAttentionOps
+from spectrain.parallel.pp.tap_channel import TapChannel, new_tap_group
+from spectrain.parallel.cp.zigzag import ZigzagLayout
+from spectrain.batch import RolloutBatch
+
+ROLLOUT_RANK = 0  # global rank that drives the engine
+TOKEN_MULTIPLE = 64
+
+
+def microbatch_budget(cu_seqlens: torch.Tensor, n_microbatches: int, multiple: int = TOKEN_MULTIPLE) -> int:
+    """Smallest multiple of `multiple` tokens that packs the documents into `n_microbatches` microbatches.
+
+    `plan_microbatches` (greedy, the fewest contiguous groups) decides what fits; fitting is
+    monotone in the budget, so a bisection over multiples finds the smallest.
+    """
+    lengths = cu_seqlens.diff()
+    total = int(lengths.sum())
+    hi = -(-total // multiple)
+    plan_microbatches(cu_seqlens, n_microbatches, hi * multiple)  # raises when nothing fits (too few documents)
+    lo = -(-max(int(lengths.max()), -(-total // n_microbatches)) // multiple)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        try:
+            plan_microbatches(cu_seqlens, n_microbatches, mid * multiple)
+            hi = mid
+        except ValueError:
+            lo = mid + 1
+    return hi * multiple
+
+
+class ZigzagDocs:
+    """A dp part as the runner sees it under CP: documents at their zigzag-shard lengths.
+
+    `select(docs)` is this cp rank's shard of those documents; `layouts` keeps each shard's
+    layout (by shard identity) for the draft's boundary-exchanging shift.
+    """
+
+    def __init__(self, part: RolloutBatch, cp_size: int, cp_rank: int, cfg: LlamaConfig) -> None:
+        self.part, self.cp_size, self.cp_rank, self.cfg = part, cp_size, cp_rank, cfg
+        self.cu_seqlens = self._layout(part).cu_seqlens_local
+        self.layouts: dict[int, ZigzagLayout] = {}
+
+    def _layout(self, batch: RolloutBatch) -> ZigzagLayout:
+        return ZigzagLayout.build(batch.cu_seqlens, self.cp_size, self.cp_rank,
+                                  max_seqlen=self.cfg.max_position_embeddings)
+
+    def select(self, docs: list[int]) -> RolloutBatch:
+        sub = self.part.select(docs)
+        layout = self._layout(sub)
+        local = shard_batch(sub, layout, self.cfg.pad_token_id)
+        self.layouts[id(local)] = layout
+        return local
+
+
+def concat_batches(parts: list[RolloutBatch], like: RolloutBatch) -> RolloutBatch:
+    """The microbatches back to back, in order (`like`, emptied, when there are none)."""
+    names = [f.name for f in fields(RolloutBatch) if f.name != "cu_seqlens"]
+    if not parts:
+        return RolloutBatch(cu_seqlens=like.cu_seqlens[:1], **{n: getattr(like, n)[:0] for n in names})
+    cu, offset = [parts[0].cu_seqlens[:1]], 0
+    for p in parts:
+        cu.append(p.cu_seqlens[1:] + offset)
+        offset += p.input_ids.numel()
+    return RolloutBatch(cu_seqlens=torch.cat(cu), **{n: torch.cat([getattr(p, n) for p in parts]) for n in names})
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Tensors grouped by dtype, groups and members in first-seen order (flat collectives need one dtype)."""
+    groups: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        groups[t.dtype].append(t)
+    return list(groups.values())
+
+
+def _send(tensors: list[torch.Tensor], group: dist.ProcessGroup, dst: int) -> None:
+    for bucket in _by_dtype(tensors):
+        dist.send(_flatten_dense_tensors(bucket), group=group, group_dst=dst)
+
+
+def _recv_into(tensors: list[torch.Tensor], group: dist.ProcessGroup, src: int) -> None:
+    """Receive what `_send` sent from the same tensor list into `tensors`, in place."""
+    for bucket in _by_dtype(tensors):
+        flat = _flatten_dense_tensors(bucket)
+        dist.recv(flat, group=group, group_src=src)
+        for t, got in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            t.copy_(got)
+
+
+class PipelinePlan:
+    """pp x dp x cp: each rank runs its stage(s); the draft and its loss live on the last stage.
+
+    Args:
+        mesh: the run's ("pp", "dp", "cp") mesh, pp >= 2.
+        schedule_name: "GPipe", "1F1B" or "Interleaved1F1B" (2 stages per rank).
+        n_microbatches: microbatches per step (per dp rank); 1F1B needs >= the stage count.
+        tap_transport: `TapChannel`, or `BlockingTapTransport` (the benchmark's baseline).
+    """
+
+    def __init__(self, mesh: DeviceMesh, schedule_name: str, n_microbatches: int,
+                 tap_transport: type[TapChannel] = TapChannel) -> None:
+        assert mesh.mesh_dim_names == MESH_DIMS, mesh.mesh_dim_names
+        if schedule_name not in PP_STAGES_PER_RANK:
+            raise ValueError(f"unknown pipeline schedule {schedule_name!r}: set parallel.pp_schedule to one of "
+                             f"{sorted(PP_STAGES_PER_RANK)}")
+        self.pp_size, self.pp_rank = mesh["pp"].size(), mesh["pp"].get_local_rank()
+        if self.pp_size < 2:
+            raise ValueError("PipelinePlan needs parallel.pp >= 2; pp=1 runs ContextParallelPlan")
+        self.dp_size, self.dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+        self.cp_size, self.cp_rank = mesh["cp"].size(), mesh["cp"].get_local_rank()
+        self.schedule_name, self.n_microbatches, self.tap_transport = schedule_name, n_microbatches, tap_transport
+        self.stages_per_rank = PP_STAGES_PER_RANK[schedule_name]
+        self.num_stages = self.pp_size * self.stages_per_rank
+        self.pp_group = mesh["pp"].get_group()
+        self.cp_group = mesh["cp"].get_group()
+        self.stage_replica_group = mesh["dp", "cp"]._flatten("dp_cp").get_group()  # the copies of this stage
+        self.tap_group = new_tap_group(self.pp_group)
+        self.is_rollout_rank = dist.get_rank() == ROLLOUT_RANK
+        self.last_stage_rank = (self.num_stages - 1) % self.pp_size
+        self.hosts_draft = self.pp_rank == self.last_stage_rank
+        # the stage copies in rank 0's pp group send weights to rank 0 (every copy holds the same ones)
+        self.gathers_weights = self.dp_rank == 0 and self.cp_rank == 0
+        assert self.is_rollout_rank == (self.gathers_weights and self.pp_rank == 0), "rank 0 must be mesh (0, 0, 0)"
+        self._policy: LlamaForCausalLM | None = None
+        self._runners: dict[tuple[tuple[int, ...], int], PipelineRunner] = {}
+        self._loss_fn: PolicyLossFn | None = None
+        self._outputs: list[tuple[CausalLMOutput, RolloutBatch, torch.Tensor]] = []
+
+    def prepare(self, module: nn.Module) -> None:
+        """Before any work: CP-capable attention ops, and every rank starts from rank 0's weights."""
+        if self.cp_size > 1:
+            check_cp_attention_ops(module.policy.attention_ops)
+        with torch.no_grad():
+            for t in module.state_dict().values():
+                dist.broadcast(t, src=ROLLOUT_RANK)
+
+    def share(self, obj):
+        box = [obj]
+        dist.broadcast_object_list(box, src=ROLLOUT_RANK)
+        return box[0]
+
+    # the step ------------------------------------------------------------------------------
+    def _local_stage_indices(self) -> list[int]:
+        return local_stage_indices(self.pp_rank, self.pp_size, self.stages_per_rank)
+
+    def _runner(self, policy: LlamaForCausalLM, capture_layers: tuple[int, ...], budget: int) -> PipelineRunner:
+        """The runner of this budget; fresh stages each, since a runner points its stages' taps at its channel."""
+        if policy is not self._policy:
+            self._policy, self._runners = policy, {}
+        key = (capture_layers, budget)
+        if key not in self._runners:
+            stages = [split_policy(policy, self.num_stages, s, capture_layers) for s in self._local_stage_indices()]
+            if self.cp_size > 1:
+                for s in stages:
+                    s.attention_ops = ZigzagRingAttentionOps(self.cp_group, local_ops=policy.attention_ops)
+            channel = (make_tap_channel(stages[0], self.tap_group, budget, self.tap_transport)
+                       if capture_layers else None)
+            self._runners[key] = PipelineRunner(stages, self.schedule_name, self.n_microbatches, budget,
+                                                self._microbatch_loss, self.pp_group, channel)
+        return self._runners[key]
+
+    def _microbatch_loss(self, out: CausalLMOutput, mb: RolloutBatch) -> torch.Tensor:
+        loss, logprobs = self._loss_fn(out.logits, mb)
+        self._outputs.append((out, mb, logprobs.detach()))
+        return loss
+
+    def policy_forward_backward(self, policy, batch, loss_fn, capture_layers, backward) -> PolicyStepResult:
+        """The pipelined forward and backward of this rank's part of `batch`.
+
+        `backward` is not used: the schedule runs each microbatch's backward itself (so
+        Lightning's precision scaling does not apply; fine for fp32 and bf16-true).
+        """
+        part = batch.select(dp_documents(batch.num_docs, self.dp_size, self.dp_rank))
+        docs = part if self.cp_size == 1 else ZigzagDocs(part, self.cp_size, self.cp_rank, policy.cfg)
+        runner = self._runner(policy, tuple(capture_layers), microbatch_budget(docs.cu_seqlens, self.n_microbatches))
+        self._loss_fn, self._outputs = loss_fn, []
+        try:
+            losses = runner.step(docs)
+            outputs = self._outputs
+        finally:
+            self._loss_fn, self._outputs = None, []
+        assert (losses is not None) == runner.has_last and len(outputs) == len(losses or ()), "one loss per microbatch"
+        # the last stages' shares add up to the step's loss: log that everywhere (float64: one dtype on every rank)
+        step_loss = torch.stack(losses).sum().double() if losses else torch.zeros((), dtype=torch.float64)
+        dist.all_reduce(step_loss)
+        inputs = []
+        if capture_layers:
+            ops, num_valid = runner.stages[-1].attention_ops, ttt_valid_tokens(batch)
+            for out, mb, _ in outputs:
+                shift_fn = None if self.cp_size == 1 else zigzag_shift_fn(docs.layouts[id(mb)], self.cp_group)
+                inputs.append(draft_inputs_from(out, mb, ops, shift_fn, num_valid))
+        logprobs = torch.cat([lp for _, _, lp in outputs]) if outputs else torch.zeros(0)
+        return PolicyStepResult(step_loss, logprobs, concat_batches([mb for _, mb, _ in outputs], part), inputs)
+
+    def reduce_gradients(self, module: nn.Module) -> None:
+        """Sum the gradients over the copies of this rank's stage(s) (its dp x cp group), one all-reduce per dtype."""
+        if dist.get_world_size(self.stage_replica_group) == 1:
+            return
+        for bucket in _by_dtype([p.grad for p in module.parameters() if p.grad is not None]):
+            flat = _flatten_dense_tensors(bucket)
+            dist.all_reduce(flat, group=self.stage_replica_group)
+            for g, summed in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                g.copy_(summed)
+
+    def clip_grad_norm(self, module: nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip by the norm of the whole policy: squared stage norms summed over the pp group.
+
+        Only this rank's stage parameters have gradients; after `reduce_gradients` they are the
+        same on every copy of the stage, so each pp group computes the same global norm.
+        """
+        params = [p for p in module.parameters() if p.grad is not None]
+        squared = torch.nn.utils.get_total_norm([p.grad for p in params]).pow(2)
+        dist.all_reduce(squared, group=self.pp_group)
+        total = squared.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    # weight sync -----------------------------------------------------------------------------
+    def policy_weights(self, policy):
+        """Every stage's weights, gathered into rank 0's full policy; its HF-named state dict there, None elsewhere."""
+        if not self.gathers_weights:
+            return None
+        stage_tensors = lambda s: list(split_policy(policy, self.num_stages, s).state_dict().values())  # noqa: E731
+        if self.pp_rank != 0:
+            for s in self._local_stage_indices():
+                _send(stage_tensors(s), self.pp_group, 0)
+            return None
+        with torch.no_grad():
+            for s in range(self.num_stages):
+                if s % self.pp_size:
+                    _recv_into(stage_tensors(s), self.pp_group, s % self.pp_size)
+        return LocalPlan().policy_weights(policy)
+
+    def draft_weights(self, draft):
+        """The last stage's draft, received into rank 0's draft; its sync weights there, None elsewhere."""
+        if not self.gathers_weights:
+            return None
+        tensors = list(draft.state_dict().values())
+        if self.pp_rank == self.last_stage_rank:
+            _send(tensors, self.pp_group, 0)
+            return None
+        if self.pp_rank != 0:
+            return None
+        with torch.no_grad():
+            _recv_into(tensors, self.pp_group, self.last_stage_rank)
+        return LocalPlan().draft_weights(draft)

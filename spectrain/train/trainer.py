@@ -1,0 +1,587 @@
+"""`SpecTrainer`: builds the whole run from a config and owns a `lightning.Trainer`.
+
+Users subclass it and override the `build_*` hooks, `prompts` or `reward` to change the
+task, the models or the engine; extra callbacks come from the config
+(`trainer.callbacks: [{target: pkg.Class, args: {...}}]`) or the constructor.
+"""
+from __future__ import annotations
+
+import csv
+import importlib
+import importlib.util
+import json
+import math
+import random
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning as L
+from omegaconf import OmegaConf
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from torch.utils.data import DataLoader, IterableDataset
+
+from spectrain.config import SpecTrainConfig, describe_differences, to_yaml
+from spectrain.errors import ConfigError, RunDirError
+from spectrain.models.hf_io import save_pretrained
+from spectrain.models.llama import LlamaConfig, LlamaForCausalLM
+from spectrain.train.module import GRPOModule
+from spectrain.parallel.mesh import world_size
+from spectrain.tasks.rewards import get_reward_fn
+from spectrain.rollout.engine import RolloutEngine
+from spectrain.train.warm_start import cached, policy_cache_key, warm_start_policy
+
+RUN_MARKER = "spectrain_run.json"
+
+
+class PromptStream(IterableDataset):
+    """Endless batches of prompts; batch i depends only on (seed, i), so a resume continues it."""
+
+    def __init__(self, source, prompts_per_step: int, seed: int, start_step: int = 0) -> None:
+        self.source, self.prompts_per_step, self.seed, self.start_step = source, prompts_per_step, seed, start_step
+
+    def __iter__(self):
+        step = self.start_step
+        while True:
+            yield self.source.sample(self.prompts_per_step, random.Random(f"{self.seed}:{step}"))
+            step += 1
+
+
+@dataclass
+class FitResult:
+    run_dir: Path
+    warmstart_eval: dict[str, float]  # held-out rewards of the warm-started policy
+    final_eval: dict[str, float]  # the same after GRPO
+    steps: int
+    seconds: float
+    history: list[dict]
+
+    @property
+    def warmstart_reward(self) -> float:
+        return self.warmstart_eval["sampled_reward"]
+
+    @property
+    def final_reward(self) -> float:
+        return self.final_eval["sampled_reward"]
+
+    def summary(self) -> dict:
+        gains = {f"{k}_gain": round(self.final_eval[k] - self.warmstart_eval[k], 4)
+                 for k in ("greedy_reward", "sampled_reward")}
+        if "sampled_reward_se" in self.warmstart_eval:  # runs recorded before the eval had one lack it
+            gains["sampled_reward_gain_se"] = round(math.hypot(self.final_eval["sampled_reward_se"],
+                                                               self.warmstart_eval["sampled_reward_se"]), 4)
+        return {"run_dir": str(self.run_dir), "steps": self.steps, "seconds": round(self.seconds, 1),
+                "warmstart": self.warmstart_eval, "final": self.final_eval, **gains}
+
+
+class SpecTrainer:
+    """GRPO with an online co-trained EAGLE-3 draft and vLLM rollouts, from one config."""
+
+    def __init__(self, config: SpecTrainConfig, callbacks: list[Callback] | None = None) -> None:
+        self.config = config
+        self.extra_callbacks = list(callbacks or [])
+        self.run_dir = Path(config.trainer.run_dir)
+        self.warmstart_dir = Path(config.trainer.warmstart_dir or self.run_dir / "warmstart")
+        self.engine: RolloutEngine | None = None
+        self.warm_eval: dict[str, float] | None = None  # held-out rewards before GRPO
+        self.module: GRPOModule | None = None
+        self.trainer: L.Trainer | None = None
+        self.strategy = None  # SpecParallelStrategy when the run spans processes (build_strategy)
+        self.tokenizer = None  # these four: build_inputs
+        self.source = None
+        self._reward_fn = None
+        self.recipe_callbacks: list[Callback] = []  # trainer.callbacks, constructed
+
+    # hooks users override ---------------------------------------------------------------
+    def build_tokenizer(self):
+        from spectrain.tasks.tokenizer import CharTokenizer
+
+        return CharTokenizer()
+
+    def prompts(self):
+        """The prompt source: an object with `sample(n, rng) -> list[Example]`."""
+        from spectrain.tasks.sources import build_prompt_source
+
+        t = self.config.task
+        if t.name == "jsonl":
+            return build_prompt_source("jsonl", path=t.path, on_bad_row=t.on_bad_row, tokenizer=self.tokenizer,
+                                       seed=self.config.trainer.seed)
+        return build_prompt_source("arithmetic", digits=t.digits, operands=t.operands, seed=self.config.trainer.seed)
+
+    def reward(self, completion: str, answer: str) -> float:
+        """Score one completion; the default looks up `task.reward` (bound once, in `fit`)."""
+        return self._reward_fn(completion, answer)
+
+    def build_policy(self) -> LlamaForCausalLM:
+        p = self.config.policy
+        cfg = LlamaConfig(vocab_size=self.tokenizer.vocab_size, hidden_size=p.hidden_size,
+                          intermediate_size=p.intermediate_size, num_hidden_layers=p.num_hidden_layers,
+                          num_attention_heads=p.num_attention_heads, num_key_value_heads=p.num_key_value_heads,
+                          qk_norm=p.qk_norm, tie_word_embeddings=p.tie_word_embeddings,
+                          max_position_embeddings=p.max_position_embeddings, bos_token_id=self.tokenizer.bos_id,
+                          eos_token_id=self.tokenizer.eos_id, pad_token_id=self.tokenizer.pad_id)
+        return LlamaForCausalLM(cfg)
+
+    def build_draft(self, policy: LlamaForCausalLM):
+        """The EAGLE-3 draft (None when draft.mode=none), warmed up offline if configured."""
+        if self.config.draft.mode == "none":
+            return None
+        from spectrain.train.warm_start import build_and_warm_up_draft
+
+        return build_and_warm_up_draft(self.config, policy, self.source, self.tokenizer, self.warmstart_dir)
+
+    def build_rollout_engine(self, policy_dir: Path, draft_dir: Path | None) -> RolloutEngine:
+        """The vLLM engine; adaptive speculation modes start it able to change `k` at runtime, with a
+        verify budget measured first if the run has none."""
+        from spectrain.rollout.speculation._adaptive_old import engine_spec_schedule, ensure_verify_budget
+        from spectrain.rollout.vllm.engine import VLLMRolloutEngine
+
+        ensure_verify_budget(self.config, policy_dir, self.run_dir)
+        r, d = self.config.rollout, self.config.draft
+        return VLLMRolloutEngine(policy_dir, draft_dir, num_speculative_tokens=d.num_speculative_tokens,
+                                 spec_schedule=engine_spec_schedule(self.config), max_model_len=r.max_model_len,
+                                 kv_cache_gib=r.kv_cache_gib, seed=self.config.trainer.seed,
+                                 vllm_kwargs=dict(r.vllm_kwargs))
+
+    def build_strategy(self):
+        """The multi-process strategy (process group, mesh, plan) when the run spans processes, else None."""
+        p = self.config.parallel
+        if world_size() == 1 and p.pp * p.dp * p.cp == 1:
+            return None
+        from spectrain.parallel.strategy import SpecParallelStrategy
+
+        strategy = SpecParallelStrategy(p)
+        strategy.setup_distributed()  # now: rank 0 alone warms up, exports and rolls out before Lightning starts
+        return strategy
+
+    def prepare_rollout_process_groups(self) -> None:
+        """On every rank, before rank 0 starts its in-process vLLM engine (collective).
+
+        vLLM joins an existing default process group and builds its groups over all of it
+        with `new_group`, which every rank must call; so all ranks build them here and rank
+        0's engine finds them ready. An engine without process groups overrides this as a no-op.
+        """
+        from vllm.config import VllmConfig, set_current_vllm_config
+        from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+        from vllm.platforms import current_platform
+
+        with set_current_vllm_config(VllmConfig()):
+            init_distributed_environment(dist.get_world_size(), dist.get_rank(), backend=current_platform.dist_backend)
+            ensure_model_parallel_initialized(1, 1)
+
+    def build_callbacks(self) -> list[Callback]:
+        from spectrain.callbacks import (AcceptanceLengthLogger, DraftCoTraining, HeldOutEval, RunHistory, StopOnSignal,
+                                         WeightSync)
+
+        d = self.config.draft
+        callbacks: list[Callback] = []
+        if d.mode == "cotrained":
+            callbacks.append(DraftCoTraining(every_n_steps=d.every_n_steps, grad_clip=d.grad_clip,
+                                             ttt_steps=d.ttt_steps, pass_decay=d.pass_decay))
+        sync = self.config.sync
+        callbacks.append(WeightSync(check_alive=d.check_alive and d.mode != "none", on_mismatch=sync.on_mismatch,
+                                    on_dead=d.on_dead, logprob_tolerance=sync.logprob_tolerance,
+                                    weight_rtol=sync.weight_rtol, collapse_ratio=d.collapse_ratio))
+        if d.mode != "none":
+            callbacks.append(AcceptanceLengthLogger())
+        if self.config.trainer.eval_every_n_steps:  # after WeightSync: it evaluates the step's weights
+            callbacks.append(HeldOutEval(self.eval_examples(), self.config.trainer.eval_every_n_steps,
+                                         self.config.rollout.eval_samples, warmstart=self.warm_eval))
+        callbacks += self.recipe_callbacks
+        callbacks += self.extra_callbacks
+        # one last.ckpt, also when StopOnSignal wrote it (no last-v1.ckpt beside it)
+        callbacks.append(ModelCheckpoint(dirpath=self.run_dir / "checkpoints", save_last=True, save_top_k=0,
+                                         every_n_train_steps=self.config.trainer.checkpoint_every_n_steps,
+                                         enable_version_counter=False))
+        # RunHistory last but one: its step time covers every other hook; StopOnSignal last: its checkpoint
+        # holds every callback's state of the step
+        return callbacks + [RunHistory(), StopOnSignal(str(self.last_checkpoint))]
+
+    def build_logger(self):
+        t = self.config.trainer
+        if t.logger == "tensorboard":
+            return TensorBoardLogger(save_dir=str(self.run_dir), name="logs")
+        # one version_N folder per (resumed) segment: Lightning rewrites a CSV whose columns change. Rows are
+        # written every step, so a killed run keeps them (a resume drops those of the steps it re-runs).
+        return CSVLogger(save_dir=str(self.run_dir), name="logs", flush_logs_every_n_steps=1)
+
+    # the run ------------------------------------------------------------------------------
+    def fit(self) -> FitResult:
+        started = time.perf_counter()
+        self.strategy = self.build_strategy()
+        L.seed_everything(self.config.trainer.seed, workers=True, verbose=False)
+        resume_ckpt, start_step = self._on_rank_zero(self.check_inputs)  # nothing is written before they pass
+        self._on_rank_zero(self.create_run_dir)
+        self.build_inputs()  # on the other ranks: rank 0 built them while checking
+        policy, draft = self._rank_zero_first(self._warm_start)
+        if self.strategy is not None:
+            self.prepare_rollout_process_groups()
+        self._on_rank_zero(lambda: self._start_engine(policy, draft))  # every rank learns of a failed start
+        try:
+            self.module = GRPOModule(self.config, policy, draft, self.tokenizer, self.reward)
+            self.module.engine = self.engine
+            if self.strategy is not None:
+                self.strategy.connect(self.module)
+            eval_examples = self.eval_examples()
+            self.warm_eval = (self.evaluate(eval_examples) if resume_ckpt is None
+                              else self._on_rank_zero(self._recorded_warm_eval))
+            if self.is_rank_zero:
+                self._record({"warmstart_eval": self.warm_eval})
+            self.trainer = self.build_lightning_trainer()
+            if self.is_rank_zero:
+                drop_logged_steps(self.run_dir / "logs", start_step)
+            loader = DataLoader(PromptStream(self.source, self.config.rollout.prompts_per_step,
+                                             self.config.trainer.seed, start_step),
+                                batch_size=None, collate_fn=lambda x: x)
+            with warnings.catch_warnings():
+                # Lightning warns that manual-optimisation checkpoints hold the weights *after* the
+                # step; that is what resuming from step N needs, so the warning is noise here.
+                warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
+                self.trainer.fit(self.module, train_dataloaders=loader, ckpt_path=resume_ckpt)
+            from spectrain.callbacks import StopOnSignal
+
+            stopper = self._callback(StopOnSignal)
+            if stopper is not None and stopper.stopped_by:
+                raise stopper.interruption(self.trainer.global_step)
+            self.sync_final_weights()
+            final_eval = self.final_evaluation(eval_examples)
+            if self.is_rank_zero:
+                self.export_models(self.module.policy, self.module.draft, self.run_dir / "final")
+            history = self.history()
+        finally:
+            if self.engine is not None:
+                self.engine.shutdown()  # vLLM also destroys rank 0's process group: no collective after this
+        result = FitResult(self.run_dir, self.warm_eval, final_eval, self.trainer.global_step,
+                           time.perf_counter() - started, history)
+        if self.is_rank_zero:
+            self._record({"result": result.summary()})
+        return result
+
+    def check_inputs(self) -> tuple[str | None, int]:
+        """Everything a bad input fails, before anything is written: the run directory and the checkpoint
+        to resume, the prompts (readable, fitting the engine), the reward, the recipe's callbacks, the
+        logger, the KV cache and head sizes, and the warm-start cache. A refused command leaves no trace.
+
+        Returns the checkpoint to resume (None for a new run) and its step.
+        """
+        resume = self.check_run_dir()
+        self.build_inputs()
+        self.check_lengths()
+        self._check_logger()
+        self._check_engine_inputs()
+        self.check_warmstart_cache()
+        return resume
+
+    def build_inputs(self) -> None:
+        """Tokenizer, prompt source, reward and the recipe's callbacks (once: `check_inputs` builds them first)."""
+        if self.source is not None:
+            return
+        self.tokenizer = self.build_tokenizer()
+        self.source = self._load_prompts()
+        self._reward_fn = get_reward_fn(self.config.task.reward, partial_credit=self.config.task.partial_credit)
+        self.recipe_callbacks = [_instantiate(i, spec) for i, spec in enumerate(self.config.trainer.callbacks)]
+
+    def _load_prompts(self):
+        """`prompts()`, with a prompt file that cannot be used reported against `task.path`."""
+        from spectrain.tasks.sources import PromptFileError
+
+        try:
+            return self.prompts()
+        except PromptFileError as exc:
+            raise ConfigError(f"task.path: {exc}") from exc
+        except OSError as exc:
+            raise ConfigError(f"task.path: cannot read {self.config.task.path} ({exc.strerror or exc}); "
+                              f"give the path of a JSONL prompt file") from exc
+
+    def _check_logger(self) -> None:
+        if self.config.trainer.logger == "tensorboard" and not any(
+                importlib.util.find_spec(m) for m in ("tensorboard", "tensorboardX")):
+            raise ConfigError("trainer.logger: tensorboard needs the tensorboard package; pip install tensorboard, "
+                              "or set trainer.logger=csv")
+
+    def _check_engine_inputs(self) -> None:
+        """What vLLM would refuse only when it starts, or at the first rollout: after the warm start."""
+        from spectrain.rollout.speculation._adaptive_old import needs_calibration
+        from spectrain.rollout.vllm.engine import check_attention_head_size, kv_cache_bytes
+
+        kv_cache_bytes(self.config.rollout.kv_cache_gib)
+        check_attention_head_size(self.config.policy.hidden_size // self.config.policy.num_attention_heads)
+        p = self.config.parallel
+        if p.pp * p.dp * p.cp > 1 and needs_calibration(self.config, self.run_dir):
+            # measuring C starts and stops a second engine, which would tear down the ranks' process group
+            raise ConfigError(f"speculation.verify_budget: speculation.mode={self.config.speculation.mode} needs the "
+                              f"verify budget C, and a multi-process run cannot measure it itself: run `spectrain "
+                              f"calibrate` with the same recipe and overrides first (it writes "
+                              f"{self.run_dir}/calibration.json), or set speculation.verify_budget=N")
+
+    def check_warmstart_cache(self) -> None:
+        """Refuse, before any training, a warm-start cache trained under other settings (never overwritten)."""
+        cached(self.warmstart_dir, policy_cache_key(self.config), "warm-start policy")
+        if self.config.draft.mode != "none":
+            from spectrain.train.warm_start import draft_cache_key
+
+            cached(self.warmstart_dir / "draft", draft_cache_key(self.config), "draft warm-up")
+
+    def _start_engine(self, policy, draft) -> None:
+        """The rollout rank starts the engine on the warm start; the other ranks get each rollout from the plan."""
+        if self.is_rollout_rank:
+            policy_dir, draft_dir = self.export_models(policy, draft, self.run_dir / "engine_init")
+            self.engine = self.build_rollout_engine(policy_dir, draft_dir)
+
+    def _warm_start(self):
+        policy, _ = warm_start_policy(self.config, self.build_policy(), self.source, self.tokenizer,
+                                      self.warmstart_dir, progress=self.config.trainer.progress_bar)
+        return policy, self.build_draft(policy)
+
+    @property
+    def last_checkpoint(self) -> Path:
+        return self.run_dir / "checkpoints" / "last.ckpt"
+
+    @property
+    def is_rank_zero(self) -> bool:
+        return self.strategy is None or self.strategy.is_global_zero
+
+    @property
+    def is_rollout_rank(self) -> bool:
+        return self.strategy is None or self.strategy.plan.is_rollout_rank
+
+    def _on_rank_zero(self, fn):
+        """`fn()` on rank 0 only; every rank gets its result, or raises its exception."""
+        if self.strategy is None:
+            return fn()
+        outcome = None
+        if self.is_rank_zero:
+            try:
+                outcome = (fn(), None)
+            except Exception as exc:  # re-raised on every rank below
+                outcome = (None, exc)
+        value, error = self.strategy.broadcast(outcome)
+        if error is not None:
+            if not self.is_rank_zero:
+                error.reported_by_rank_zero = True  # the CLI prints it on rank 0 only
+            raise error
+        return value
+
+    def _rank_zero_first(self, fn):
+        """`fn()` on rank 0, then on the other ranks: rank 0 fills the caches (warm start) they read."""
+        kept = []
+        self._on_rank_zero(lambda: kept.append(fn()))
+        return kept[0] if kept else fn()
+
+    def build_lightning_trainer(self) -> L.Trainer:
+        t = self.config.trainer
+        processes: dict = dict(devices=1)
+        if self.strategy is not None:  # one device per process; the plan, not a sampler, splits the work
+            local = self.strategy.processes_per_node
+            processes = dict(strategy=self.strategy, devices=local, num_nodes=self.strategy.world_size // local,
+                             use_distributed_sampler=False)
+        return L.Trainer(accelerator="cpu", **processes, max_steps=t.max_steps, logger=self.build_logger(),
+                         callbacks=self.build_callbacks(), default_root_dir=str(self.run_dir),
+                         log_every_n_steps=t.log_every_n_steps, enable_progress_bar=t.progress_bar,
+                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+
+    def sync_final_weights(self) -> None:
+        """Push (and verify) the trained weights once more: a resumed run that was already done never ran a
+        sync, and the final evaluation must score the trainer's weights."""
+        from spectrain.callbacks import WeightSync
+
+        sync = self._callback(WeightSync) or WeightSync(check_alive=False)
+        sync.push(self.trainer, self.module, draft=self.module.draft is not None)
+
+    def eval_examples(self):
+        return self.source.sample(self.config.rollout.eval_prompts, random.Random(f"eval:{self.config.trainer.seed}"))
+
+    def evaluate(self, examples) -> dict[str, float]:
+        """Held-out rewards on a fixed prompt set, through the engine (`GRPOModule.evaluate`)."""
+        return self.module.evaluate(examples, self.config.rollout.eval_samples)
+
+    def final_evaluation(self, examples) -> dict[str, float]:
+        """The trained policy's held-out rewards: `HeldOutEval`'s point for the last step if it took one."""
+        from spectrain.callbacks import HeldOutEval
+
+        held_out = self._callback(HeldOutEval)
+        if held_out is not None and held_out.history and held_out.history[-1]["step"] == self.trainer.global_step:
+            return {k: v for k, v in held_out.history[-1].items() if k != "step"}
+        return self.evaluate(examples)
+
+    def history(self) -> list[dict]:
+        from spectrain.callbacks import RunHistory
+
+        return self._callback(RunHistory).history
+
+    def _callback(self, cls: type[Callback]) -> Callback | None:
+        return next((c for c in self.trainer.callbacks if isinstance(c, cls)), None)
+
+    def export_models(self, policy, draft, out_dir: Path) -> tuple[Path, Path | None]:
+        """The policy in HF format and the draft in vLLM's EAGLE-3 format."""
+        policy_dir = save_pretrained(policy, out_dir / "policy", tokenizer=self.tokenizer)
+        if draft is None:
+            return policy_dir, None
+        from spectrain.models.eagle3 import export_draft
+
+        return policy_dir, export_draft(draft, out_dir / "draft", policy.cfg)
+
+    # run directory ------------------------------------------------------------------------
+    def check_run_dir(self) -> tuple[str | None, int]:
+        """Refuse a run directory we may not write into, reading only; the checkpoint to resume and its step.
+
+        A missing or empty directory starts a run. Anything else must be a spectrain run (its
+        marker) that `trainer.resume` lets us continue, started with the same config, whose
+        records and checkpoint can be read.
+        """
+        run_dir = self.run_dir
+        if run_dir.exists() and not run_dir.is_dir():
+            raise RunDirError(f"{run_dir} is a file, not a directory; choose another trainer.run_dir.")
+        if not run_dir.exists() or not any(run_dir.iterdir()):
+            return None, 0
+        if not (run_dir / RUN_MARKER).is_file():
+            raise RunDirError(f"{run_dir} exists and is not a spectrain run directory; refusing to write into it. "
+                              f"Choose another trainer.run_dir.")
+        if self.config.trainer.resume == "never":
+            raise RunDirError(f"{run_dir} already holds a run and trainer.resume=never; choose another "
+                              f"trainer.run_dir, or set trainer.resume=auto to continue it.")
+        record = self._read_record()
+        self._check_same_config()
+        last = self.last_checkpoint
+        if not last.is_file():
+            return None, 0
+        if "warmstart_eval" not in record:
+            raise RunDirError(f"{run_dir / RUN_MARKER} has no warm-start evaluation to resume {last} with; remove "
+                              f"{last} to restart the run from its warm start, or choose another trainer.run_dir.")
+        return str(last), _checkpoint_step(last)
+
+    def create_run_dir(self) -> None:
+        """Start the run directory (marker, resolved config), or say that it resumes; after `check_run_dir`."""
+        marker = self.run_dir / RUN_MARKER
+        if marker.is_file():
+            last = self.last_checkpoint
+            print(f"[spectrain] resuming run in {self.run_dir}" + ("" if last.is_file() else " (no checkpoint yet)"))
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        marker.write_text(json.dumps({"created": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2))
+        (self.run_dir / "config.yaml").write_text(to_yaml(self.config))
+
+    def prepare_run_dir(self) -> str | None:
+        """Check, then create or resume the run directory; the checkpoint to resume (None for a new run)."""
+        resume, _ = self.check_run_dir()
+        self.create_run_dir()
+        return resume
+
+    # a resume may train longer, report differently, run from a moved directory or give the engine another
+    # KV cache (a start that failed for memory), not change what it trains
+    RESUME_FREE_KEYS = ("trainer.max_steps", "trainer.progress_bar", "trainer.resume", "trainer.log_every_n_steps",
+                        "trainer.checkpoint_every_n_steps", "trainer.run_dir", "trainer.warmstart_dir",
+                        "rollout.kv_cache_gib")
+
+    def _check_same_config(self) -> None:
+        saved = self.run_dir / "config.yaml"
+        if not saved.is_file():
+            return
+        try:  # onto the schema: keys added to spectrain since the run started get their defaults
+            before = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(SpecTrainConfig),
+                                                            OmegaConf.load(saved)))
+        except Exception as exc:  # YAML or schema errors: omegaconf's message says which
+            raise RunDirError(f"{saved} cannot be read as a spectrain config ({type(exc).__name__}: {exc}); "
+                              f"restore it, or choose another trainer.run_dir.") from exc
+        now = OmegaConf.to_container(OmegaConf.structured(self.config))
+        for config in (before, now):
+            for section, _, key in (k.partition(".") for k in self.RESUME_FREE_KEYS):
+                config[section].pop(key, None)
+        if before != now:
+            raise RunDirError(f"{self.run_dir} was started with a different config ({describe_differences(before, now)};"
+                              f" see {saved}); resume it with the same recipe and overrides (only trainer.max_steps, "
+                              f"reporting options, the paths and rollout.kv_cache_gib may change), or choose another "
+                              f"trainer.run_dir.")
+
+    def _read_record(self) -> dict:
+        """The run's marker file: what it recorded so far (creation time, warm-start evaluation, result)."""
+        marker = self.run_dir / RUN_MARKER
+        try:
+            record = json.loads(marker.read_text())
+        except (OSError, ValueError) as exc:
+            raise RunDirError(f"{marker} cannot be read ({type(exc).__name__}: {exc}); restore it, or choose "
+                              f"another trainer.run_dir.") from exc
+        if not isinstance(record, dict):
+            raise RunDirError(f"{marker} is not a spectrain run record (a JSON object); restore it, or choose "
+                              f"another trainer.run_dir.")
+        return record
+
+    def _record(self, entries: dict) -> None:
+        data = self._read_record()
+        data.update(entries)
+        (self.run_dir / RUN_MARKER).write_text(json.dumps(data, indent=2))
+
+    def _recorded_warm_eval(self) -> dict[str, float]:
+        return self._read_record()["warmstart_eval"]
+
+    def check_lengths(self) -> None:
+        """Prompts plus completions plus the speculative lookahead must fit the engine."""
+        r, d = self.config.rollout, self.config.draft
+        examples = list(self.source) if hasattr(self.source, "__iter__") else self.eval_examples()
+        longest = max(len(self.tokenizer.encode(ex.prompt)) for ex in examples)
+        lookahead = d.num_speculative_tokens + 1 if d.mode != "none" else 0
+        need = longest + r.max_new_tokens + lookahead
+        if need > r.max_model_len:
+            raise ConfigError(f"rollout.max_model_len: {r.max_model_len} is too small: the longest prompt has "
+                              f"{longest} tokens, plus rollout.max_new_tokens={r.max_new_tokens} and {lookahead} "
+                              f"speculative lookahead = {need}; raise rollout.max_model_len (and "
+                              f"policy.max_position_embeddings) or lower rollout.max_new_tokens.")
+        cp, max_pos = self.config.parallel.cp, self.config.policy.max_position_embeddings
+        padded = -(-(longest + r.max_new_tokens) // (2 * cp)) * 2 * cp  # zigzag pads documents to 2*cp chunks
+        if cp > 1 and padded > max_pos:
+            raise ConfigError(f"policy.max_position_embeddings: {max_pos} is too small for parallel.cp={cp}: the "
+                              f"longest document ({longest + r.max_new_tokens} tokens) is padded to a multiple of "
+                              f"2*cp = {padded}; raise policy.max_position_embeddings or lower parallel.cp.")
+
+
+def _instantiate(index: int, spec) -> Callback:
+    """`trainer.callbacks[index]`, imported and constructed now: a bad entry fails before any work."""
+    key, target = f"trainer.callbacks[{index}]", spec.target
+    module_name, _, cls_name = target.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), cls_name)
+    except Exception as exc:  # ImportError, AttributeError, or whatever the module raises while importing
+        raise ConfigError(f"{key}.target: cannot import '{target}' ({type(exc).__name__}: {exc}); give the full "
+                          f"import path of a lightning Callback class, e.g. my_pkg.callbacks.MyCallback") from exc
+    if not (isinstance(cls, type) and issubclass(cls, Callback)):
+        raise ConfigError(f"{key}.target: {target} is a {type(cls).__name__}, not a lightning Callback class; "
+                          f"give a subclass of lightning.pytorch.callbacks.Callback")
+    try:
+        return cls(**dict(spec.args))
+    except Exception as exc:  # the constructor's own complaint about its arguments
+        raise ConfigError(f"{key}.args: {target}(**{dict(spec.args)}) failed ({type(exc).__name__}: {exc}); "
+                          f"fix the arguments") from exc
+
+
+def drop_logged_steps(log_dir: Path, first_step: int) -> None:
+    """Remove the CSV rows of steps >= `first_step` from earlier log segments: a resume re-runs them.
+
+    A run killed between checkpoints logged the steps after its last checkpoint; the resumed
+    segment logs them again (with the same values: sampling is seeded per step), so each step
+    keeps exactly one row.
+    """
+    for path in sorted(log_dir.glob("version_*/metrics.csv")):
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            fields, rows = reader.fieldnames, list(reader)
+        kept = [r for r in rows if not r.get("step") or int(r["step"]) < first_step]
+        if fields and len(kept) < len(rows):
+            with open(path, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=fields)
+                writer.writeheader()
+                writer.writerows(kept)
+
+
+def _checkpoint_step(ckpt_path: Path) -> int:
+    """The checkpoint's step; it is read whole, so a corrupt file is refused before anything is written."""
+    try:
+        return int(torch.load(ckpt_path, map_location="cpu", weights_only=False)["global_step"])
+    except Exception as exc:  # truncated zip, garbage bytes, a pickle that is no checkpoint...
+        raise RunDirError(f"{ckpt_path} is corrupt or unreadable ({type(exc).__name__}: {exc}). Remove it to "
+                          f"restart the run from its warm start (the warm-start cache is kept), or restore a copy "
+                          f"of it.") from exc
+

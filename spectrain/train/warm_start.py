@@ -1,0 +1,214 @@
+"""Warm start, before RL: a short SFT of the policy, then an offline warm-up of its EAGLE-3 draft.
+
+Both train on the task's worked answers and are cached in the run.
+
+GRPO needs a policy that already gets some answers right (a group whose samples all score
+0 has zero advantage and teaches nothing). The result is cached under
+`<run_dir>/warmstart/` (or `trainer.warmstart_dir`, which runs may share) with the settings
+that produced it, so the next run with the same settings reuses it instead of training again.
+A cache is immutable once written: a run with other settings is refused before it trains,
+never allowed to overwrite it, and a cache appears in one rename, so a run killed while
+writing it leaves none.
+
+The draft warm-up trains the draft on the warm-started policy's own teacher-forced forward
+(the same TTT loss as online co-training), so speculation is alive from the first rollout;
+it is cached in `<warmstart>/draft` the same way.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from spectrain.config import describe_differences
+from spectrain.errors import RunDirError
+from spectrain.models.eagle3 import Eagle3Config, Eagle3Draft, export_draft, load_draft, ttt_loss
+from spectrain.models.hf_io import load_pretrained, save_pretrained
+from spectrain.models.llama import LlamaForCausalLM
+from spectrain.batch import RolloutBatch, build_rollout_batch
+from spectrain.train.grpo import token_logprobs
+from spectrain.rollout.engine import Completion
+
+
+def examples_to_batch(examples, tokenizer) -> RolloutBatch:
+    """Teacher-forced batch: prompt + worked answer, loss on the answer tokens only.
+
+    An example without a worked target (a JSONL row with only "prompt" and "answer") is
+    trained on its bare answer, which the reward accepts as a whole completion.
+    """
+    completions = [Completion(i, tokenizer.encode(ex.prompt),
+                              tokenizer.encode(ex.target or ex.answer, add_bos=False) + [tokenizer.eos_id],
+                              [], True)
+                   for i, ex in enumerate(examples)]
+    return build_rollout_batch(completions, torch.zeros(len(completions)))
+
+
+def sft_loss(policy: LlamaForCausalLM, batch: RolloutBatch) -> torch.Tensor:
+    out = policy(batch.input_ids, batch.position_ids, batch.cu_seqlens)
+    logp = token_logprobs(out.logits, batch.targets)
+    mask = batch.response_mask.float()
+    return -(logp * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+def train_sft(policy: LlamaForCausalLM, task, tokenizer, steps: int, batch_size: int, lr: float,
+              seed: int, progress: bool = True) -> list[float]:
+    """AdamW with linear warm-up and cosine decay to 10% of `lr`; returns the loss per step."""
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    warmup = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.55 + 0.45 * math.cos(math.pi * s / max(1, steps))))
+    policy.train()
+    losses = []
+    bar = tqdm(range(steps), desc="warm-start SFT", disable=not progress, dynamic_ncols=True)
+    for _ in bar:
+        loss = sft_loss(policy, examples_to_batch(task.sample(batch_size, rng), tokenizer))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    return losses
+
+
+CACHE_META = "meta.json"  # written last: a directory without it is no cache
+_KEY_NAMES = {"seed": "trainer.seed"}  # cache-key entries whose config key is spelled differently
+
+
+def policy_cache_key(config) -> dict:
+    """Everything the SFT'd policy depends on."""
+    return {"policy": asdict(config.policy), "task": asdict(config.task), "sft": asdict(config.sft),
+            "seed": config.trainer.seed}
+
+
+def cached(cache: Path, key: dict, what: str) -> bool:
+    """Whether `cache` holds the `what` trained under `key`; False when there is none yet.
+
+    Refuses (RunDirError) a cache trained under another key and a directory that holds
+    something else, so that neither is ever overwritten.
+    """
+    meta = cache / CACHE_META
+    if not meta.is_file():
+        if cache.exists() and (not cache.is_dir() or any(cache.iterdir())):
+            raise RunDirError(f"{cache} exists but holds no {what} ({CACHE_META} is missing); refusing to write into "
+                              f"it. Set trainer.warmstart_dir to another directory, or remove {cache} if it is what "
+                              f"is left of a run killed with an older spectrain.")
+        return False
+    try:
+        saved = json.loads(meta.read_text())["settings"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise RunDirError(f"{meta} cannot be read ({type(exc).__name__}: {exc}); set trainer.warmstart_dir to "
+                          f"another directory, or remove {cache} to train the {what} again there.") from exc
+    if saved != key:
+        changed = describe_differences({_KEY_NAMES.get(k, k): v for k, v in saved.items()},
+                                       {_KEY_NAMES.get(k, k): v for k, v in key.items()})
+        raise RunDirError(f"{cache} holds a {what} trained with other settings ({changed}); a "
+                          f"warm-start cache is never overwritten. Set trainer.warmstart_dir to another directory "
+                          f"for these settings, or use the settings it was trained with.")
+    return True
+
+
+@contextmanager
+def writing_cache(cache: Path):
+    """A scratch directory beside `cache` that becomes `cache` in one rename when the block succeeds."""
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{cache.name}.partial-", dir=cache.parent))
+    try:
+        yield scratch
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    try:
+        os.rename(scratch, cache)  # atomic; onto a missing or empty directory only, so nothing is overwritten
+    except OSError as exc:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise RunDirError(f"could not move the new {cache.name} into {cache} ({exc}); if another run wrote it "
+                          f"meanwhile, run again to reuse it, or set trainer.warmstart_dir to another directory.") from exc
+
+
+def warm_start_policy(config, policy: LlamaForCausalLM, task, tokenizer, cache_root: Path,
+                      progress: bool = True) -> tuple[LlamaForCausalLM, dict]:
+    """Return the SFT'd policy, training it only if no matching cache exists yet."""
+    cache, key = cache_root, policy_cache_key(config)
+    if cached(cache, key, "warm-start policy"):
+        return load_pretrained(cache / "policy"), json.loads((cache / CACHE_META).read_text())
+    losses = train_sft(policy, task, tokenizer, config.sft.steps, config.sft.batch_size, config.sft.lr,
+                       seed=config.trainer.seed, progress=progress) if config.sft.enabled else []
+    meta = {"settings": key, "final_loss": losses[-1] if losses else None, "steps": len(losses)}
+    with writing_cache(cache) as scratch:
+        save_pretrained(policy, scratch / "policy", tokenizer=tokenizer)
+        (scratch / CACHE_META).write_text(json.dumps(meta, indent=2))
+    return policy, meta
+
+
+def build_draft(config, policy: LlamaForCausalLM) -> Eagle3Draft:
+    ids = config.draft.aux_layer_ids
+    cfg = Eagle3Config.from_policy(policy.cfg, aux_layer_ids=tuple(ids) if ids is not None else None)
+    torch.manual_seed(config.trainer.seed + 1)
+    return Eagle3Draft(cfg)
+
+
+def warm_up_draft(draft: Eagle3Draft, policy: LlamaForCausalLM, source, tokenizer, steps: int,
+                  batch_size: int, lr: float, ttt_steps: int, pass_decay: float, seed: int,
+                  progress: bool = True) -> list[float]:
+    """Offline TTT on teacher-forced task data; the policy is frozen (no grad)."""
+    rng = random.Random(f"draft-warmup:{seed}")
+    opt = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0)
+    aux_ids = draft.cfg.aux_layer_ids
+    losses = []
+    bar = tqdm(range(steps), desc="draft warm-up", disable=not progress, dynamic_ncols=True)
+    for _ in bar:
+        batch = examples_to_batch(source.sample(batch_size, rng), tokenizer)
+        with torch.no_grad():
+            out = policy(batch.input_ids, batch.position_ids, batch.cu_seqlens, capture_layers=aux_ids)
+        logits = draft(out.embeds, out.aux_hidden, batch.position_ids, batch.cu_seqlens, ttt_steps,
+                       ops=policy.attention_ops)
+        loss, metrics = ttt_loss(logits, out.logits, batch.response_mask, batch.cu_seqlens, draft.t2d, pass_decay)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", top1=f"{metrics.accuracy[0].item():.2f}")
+    return losses
+
+
+def draft_cache_key(config) -> dict:
+    """Everything the warmed-up draft depends on.
+
+    Not `draft.mode` (co-trained / frozen) nor `draft.num_speculative_tokens`: they do not
+    change the warm-up, so runs that differ only in them share it.
+    """
+    draft_settings = {k: v for k, v in asdict(config.draft).items()
+                      if k in ("aux_layer_ids", "lr", "warmup_steps", "ttt_steps", "pass_decay")}
+    return {"draft": draft_settings, "policy": asdict(config.policy), "sft": asdict(config.sft),
+            "task": asdict(config.task), "seed": config.trainer.seed}
+
+
+def build_and_warm_up_draft(config, policy: LlamaForCausalLM, source, tokenizer, cache_root: Path) -> Eagle3Draft:
+    """The draft from `<cache_root>/draft` if it was warmed up under these settings, else built (and cached)."""
+    d = config.draft
+    cache, key = cache_root / "draft", draft_cache_key(config)
+    if cached(cache, key, "draft warm-up"):
+        return load_draft(cache)
+    draft = build_draft(config, policy)
+    losses = []
+    if d.warmup_steps > 0:
+        losses = warm_up_draft(draft, policy, source, tokenizer, d.warmup_steps, config.sft.batch_size, d.lr,
+                               d.ttt_steps, d.pass_decay, config.trainer.seed, config.trainer.progress_bar)
+    with writing_cache(cache) as scratch:
+        export_draft(draft, scratch, policy.cfg)
+        (scratch / CACHE_META).write_text(json.dumps({"settings": key, "final_loss": losses[-1] if losses else None},
+                                                     indent=2))
+    return draft

@@ -1,0 +1,271 @@
+"""Context parallel end to end: the dp x cp plan against LocalPlan, `spectrain fit` at cp=2
+against cp=1, and the bad inputs (cp not dividing the world, padded documents too long, an
+attention backend without CP support).
+
+Plan checks run in real gloo processes on a tiny float64 policy and draft with a fake
+rollout (no vLLM): loss, policy gradients, draft loss, draft metrics and draft gradients
+must equal the single-process ones to 1e-10.
+"""
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from spectrain.callbacks.draft_cotraining import draft_loss
+from spectrain.parallel.spawn import run_distributed
+from spectrain.config import ConfigError, load_config
+from spectrain.models.eagle3 import Eagle3Config, Eagle3Draft, build_vocab_mapping
+from spectrain.models.llama import LlamaConfig, LlamaForCausalLM
+from spectrain.ops.attention import LocalAttentionOps
+from spectrain.parallel.cp.plan import ContextParallelPlan, check_cp_attention_ops, dp_documents
+from spectrain.parallel.mesh import build_mesh, check_mesh_shape
+from spectrain.parallel.plan import LocalPlan
+from spectrain.parallel.cp.ring import ZigzagRingAttentionOps
+from spectrain.batch import build_rollout_batch
+from spectrain.train.grpo import grpo_loss
+from spectrain.rollout.engine import Completion
+
+ROOT = Path(__file__).resolve().parents[1]
+POLICY = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64)
+CAPTURE = (1, 2, 3)
+TTT_STEPS, PASS_DECAY = 3, 0.8
+TOL = dict(rtol=1e-10, atol=1e-12)
+
+
+class _Models(nn.Module):
+    """What the plan and draft_loss see of a GRPOModule."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.policy = LlamaForCausalLM(LlamaConfig(**POLICY)).double()
+        self.draft = Eagle3Draft(Eagle3Config.from_policy(self.policy.cfg, aux_layer_ids=CAPTURE,
+                                                          draft_vocab_size=24)).double()
+        with torch.no_grad():  # O(1) weights, so every term of the losses matters
+            for p in self.parameters():
+                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+        self.draft.set_vocab_mapping(*build_vocab_mapping(torch.rand(POLICY["vocab_size"]), 24))
+        self.draft_inputs = []
+
+
+def _batch():
+    """Six documents of mixed lengths (one shorter than 2*cp chunks), random advantages and engine logprobs."""
+    g = torch.Generator().manual_seed(1)
+    completions = []
+    for i, (p_len, r_len) in enumerate([(4, 9), (6, 1), (3, 22), (5, 12), (2, 2), (7, 17)]):
+        ids = torch.randint(4, POLICY["vocab_size"], (p_len + r_len,), generator=g).tolist()
+        logprobs = (-3 * torch.rand(r_len, generator=g, dtype=torch.float64) - 0.05).tolist()
+        completions.append(Completion(i, ids[:p_len], ids[p_len:], logprobs, True))
+    return build_rollout_batch(completions, torch.randn(len(completions), generator=g))
+
+
+def _loss_fn(num_tokens):
+    """GRPO with the engine's logprobs as the old policy (so the ratio clips somewhere), in float64."""
+
+    def loss_fn(logits, part):
+        logprobs = torch.log_softmax(logits, -1).gather(-1, part.targets.clamp_min(0)[:, None]).squeeze(-1)
+        out = grpo_loss(logprobs, part.rollout_logprobs.double(), part.advantages.double(), part.response_mask,
+                        0.2, num_tokens=num_tokens)
+        return out.loss, logprobs
+
+    return loss_fn
+
+
+def _step(plan, models, batch, reduce):
+    """One policy + draft step through `plan`; everything the step produces, summed over ranks."""
+    result = plan.policy_forward_backward(models.policy, batch, _loss_fn(batch.num_response_tokens), CAPTURE,
+                                          lambda loss: loss.backward())
+    plan.reduce_gradients(models.policy)
+    models.draft_inputs = result.draft_inputs
+    loss, metrics = draft_loss(models, TTT_STEPS, PASS_DECAY)
+    loss.backward()
+    plan.reduce_gradients(models.draft)
+    return dict(
+        policy_loss=result.loss,
+        draft_loss=reduce(loss.detach().clone()),
+        draft_metrics=reduce(torch.stack([metrics.loss_sum, metrics.correct.double(), metrics.count.double()])),
+        policy_grads={n: p.grad for n, p in models.policy.named_parameters()},
+        draft_grads={n: p.grad for n, p in models.draft.named_parameters()},
+    )
+
+
+def _plan_worker(rank, world, dp, cp):
+    models = _Models(seed=rank)  # different weights per rank: prepare() must make them rank 0's
+    plan = ContextParallelPlan(build_mesh(1, dp, cp))
+    plan.prepare(models)
+    assert plan.hosts_draft and plan.is_rollout_rank == (rank == 0)
+    assert plan.share({"from": rank}) == {"from": 0}
+    assert (plan.policy_weights(models.policy) is None) == (rank != 0)
+
+    def reduce(t):
+        dist.all_reduce(t)
+        return t
+
+    return _step(plan, models, _batch(), reduce)
+
+
+def _reference():
+    models = _Models(seed=0)
+    return _step(LocalPlan(), models, _batch(), reduce=lambda t: t)
+
+
+def _assert_close(got, want, what):
+    if isinstance(want, dict):
+        assert got.keys() == want.keys(), what
+        for k in want:
+            _assert_close(got[k], want[k], f"{what}.{k}")
+    else:
+        torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp,cp", [(1, 2), (2, 1), (2, 2)])
+def test_plan_matches_local_plan(dp, cp):
+    """Policy loss and gradients, draft loss, metrics and gradients equal LocalPlan's (float64)."""
+    want = _reference()
+    assert want["draft_metrics"][2, 0] > 0 and want["policy_loss"] != 0
+    for rank, got in enumerate(run_distributed(_plan_worker, dp * cp, dp, cp, timeout=240)):
+        _assert_close(got, want, f"dp={dp} cp={cp} rank {rank}")
+
+
+# ---------------------------------------------------------------------------------- bad input
+def test_cp_not_dividing_the_world_names_the_fix(monkeypatch):
+    with pytest.raises(ValueError, match=r"3 does not divide 4"):
+        check_mesh_shape(1, 1, 3, 4)
+    with pytest.raises(ValueError, match=r"set parallel.dp=2"):
+        check_mesh_shape(1, 1, 2, 4)
+    with pytest.raises(ValueError, match=r"parallel.cp=0"):
+        check_mesh_shape(1, 1, 0, 1)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match=r"Launch 2 processes .*--nproc-per-node 2"):
+        build_mesh(1, 1, 2)  # one process, no torchrun
+    from spectrain.parallel.strategy import SpecParallelStrategy
+
+    with pytest.raises(ValueError, match=r"Launch 2 processes"):  # before any rendezvous is attempted
+        SpecParallelStrategy(load_config(overrides=["parallel.cp=2"]).parallel).setup_distributed()
+    assert not dist.is_initialized()
+
+
+def test_padded_documents_longer_than_the_positions_fail_before_work(tmp_path):
+    from spectrain.train.trainer import SpecTrainer
+
+    def trainer(*overrides):
+        t = SpecTrainer(load_config(overrides=[f"trainer.run_dir={tmp_path}", *overrides]))
+        t.tokenizer, t.source = t.build_tokenizer(), t.prompts()
+        return t
+
+    t = trainer()
+    longest = max(len(t.tokenizer.encode(ex.prompt)) for ex in t.eval_examples())  # as check_lengths sees them
+    new = 17 - longest % 16  # longest + new = 1 (mod 16): cp=8 pads it by 15 tokens
+    fits = longest + new + 4  # + the speculative lookahead: the engine's bound holds exactly
+    ok = [f"rollout.max_new_tokens={new}", f"rollout.max_model_len={fits}", f"policy.max_position_embeddings={fits}"]
+    trainer(*ok, "parallel.cp=2").check_lengths()  # 1 (mod 16) pads by 3 at cp=2
+    with pytest.raises(ConfigError, match=r"policy.max_position_embeddings: .* parallel.cp=8: .* multiple of 2\*cp"):
+        trainer(*ok, "parallel.cp=8").check_lengths()
+    with pytest.raises(ValueError, match="cannot be split over parallel.dp=4"):
+        dp_documents(3, 4, 0)
+    assert dp_documents(7, 2, 0) == [0, 1, 2, 3] and dp_documents(7, 2, 1) == [4, 5, 6]
+
+
+def test_attention_backend_without_cp_support_fails_before_work():
+    check_cp_attention_ops(LocalAttentionOps())
+
+    class CausalOnly(LocalAttentionOps):
+        supports_context_parallel = False
+
+    class ForwardOnly:
+        def forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale=None): ...
+
+    with pytest.raises(TypeError, match=r"CausalOnly: it declares supports_context_parallel = False.*parallel.cp=1"):
+        check_cp_attention_ops(CausalOnly())
+    with pytest.raises(TypeError, match=r"ForwardOnly: it has no .*backward"):
+        check_cp_attention_ops(ForwardOnly())
+    with pytest.raises(TypeError, match="already ring attention"):
+        check_cp_attention_ops(ZigzagRingAttentionOps.__new__(ZigzagRingAttentionOps))
+
+
+def test_strategy_is_registered():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from spectrain.parallel.strategy import STRATEGY_NAME, SpecParallelStrategy
+
+    assert StrategyRegistry[STRATEGY_NAME]["strategy"] is SpecParallelStrategy
+
+
+# ---------------------------------------------------------------------------------- spectrain fit
+FIT = ["trainer.max_steps=3", "sft.steps=30", "draft.warmup_steps=10", "rollout.prompts_per_step=4",
+       "rollout.group_size=4", "rollout.eval_prompts=8", "task.partial_credit=0.5", "draft.check_alive=false",
+       "trainer.progress_bar=false", "trainer.checkpoint_every_n_steps=1000"]
+FIT_COLUMNS = ("policy/loss", "policy/grad_norm", "draft/loss", "draft/pass_1_loss", "draft/pass_3_loss")
+FIT_RTOL, FIT_ATOL = 1e-4, 1e-6  # float32; measured ~2e-6 relative (ring merges, summed shards)
+
+
+def _fit(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
+    cmd = [sys.executable, "-m", "spectrain.cli", "fit", "tiny_cpu", *FIT, *overrides,
+           f"trainer.run_dir={tmp_path / name}", f"trainer.warmstart_dir={tmp_path / 'warmstart'}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    with open(tmp_path / name / "logs" / "version_0" / "metrics.csv") as f:
+        return [row for row in csv.DictReader(f) if row.get("policy/loss")]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(3000)
+def test_fit_cp2_reproduces_cp1_losses(tmp_path):
+    """`spectrain fit ... parallel.cp=2` (relaunched under torchrun) logs the cp=1 losses of the first
+    steps: the rollout is the same (rank 0's engine, same seed), the step is split in zigzag shards."""
+    one = _fit(tmp_path, "cp1")  # fills the shared warm-start cache; cp=2 reads it
+    two = _fit(tmp_path, "cp2", "parallel.cp=2")
+    assert len(one) == len(two) == 3
+    assert all(float(r["policy/grad_norm"]) > 0 for r in one), "no policy gradient: the check would be vacuous"
+    for step, (a, b) in enumerate(zip(one, two)):
+        for col in FIT_COLUMNS:
+            x, y = float(a[col]), float(b[col])
+            assert abs(x - y) <= FIT_RTOL * abs(x) + FIT_ATOL, f"step {step} {col}: cp=1 {x} vs cp=2 {y}"
+
+
+# ---------------------------------------------------------------------------------- bench baselines
+def test_bench_dense_baseline_is_ttt_attention():
+    """`spectrain bench cp`'s dense-mask baseline computes what `ttt_attention` computes."""
+    from benchmarks.cp import HKV, HQ, D, dense_ttt_attention, staircase_mask
+    from spectrain.ops.ttt_attention import ttt_attention
+
+    cu = torch.tensor([0, 5, 17, 30], dtype=torch.int32)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(30, HQ, D, generator=g, dtype=torch.float64)
+    keys = [torch.randn(30, HKV, D, generator=g, dtype=torch.float64) for _ in range(3)]
+    values = [torch.randn(30, HKV, D, generator=g, dtype=torch.float64) for _ in range(3)]
+    mask = staircase_mask(cu, 3)
+    assert mask.shape == (30, 90) and mask[6, 5:7].tolist() == [True, True] and not mask[6, 4] and mask[6, 36]
+    torch.testing.assert_close(dense_ttt_attention(q, keys, values, cu), ttt_attention(q, keys, values, cu),
+                               rtol=1e-10, atol=1e-10)
+
+
+def _allgather_worker(rank, world):
+    from benchmarks.cp import AllGatherKVOps
+    from spectrain.parallel.cp.zigzag import ZigzagLayout
+
+    lay = ZigzagLayout.build(torch.tensor([0, 5, 42, 106, 124], dtype=torch.int32), world, rank)
+    cu, n = lay.cu_seqlens_local, lay.num_local_tokens
+    g = torch.Generator().manual_seed(rank)
+    q, k, v, dout = (torch.randn(n, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4))
+    out = {}
+    group = dist.group.WORLD
+    for name, ops in (("ring", ZigzagRingAttentionOps(group)), ("allgather", AllGatherKVOps(group))):
+        o, lse = ops.forward(q, k, v, cu, cu, True)
+        out[name] = (o, lse, *ops.backward(dout, q, k, v, o, lse, cu, cu, True))
+    return out
+
+
+@pytest.mark.slow
+def test_bench_allgather_baseline_matches_ring():
+    for rank, res in enumerate(run_distributed(_allgather_worker, 2, timeout=120)):
+        for got, want in zip(res["allgather"], res["ring"]):
+            torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"rank {rank}: {m}")

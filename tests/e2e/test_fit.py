@@ -1,0 +1,93 @@
+"""End to end: `spectrain fit` on a shrunken default recipe with real vLLM, then resume."""
+import json
+import math
+
+import pytest
+
+from spectrain.cli import main as cli_main
+from tests.helpers import TINY, column, metrics
+from spectrain.config import ConfigError, load_config
+from spectrain.train.trainer import RunDirError, SpecTrainer
+
+def untrained_draft_loss(run_dir, config) -> float:
+    """The draft's TTT loss at its initialisation (one warm-up step at lr 0) on the warm-started policy."""
+    from spectrain.tasks.arithmetic import ArithmeticTask
+    from spectrain.tasks.tokenizer import CharTokenizer
+    from spectrain.train.warm_start import build_draft, warm_up_draft
+    from spectrain.models.hf_io import load_pretrained
+
+    policy = load_pretrained(run_dir / "warmstart" / "policy")
+    d, task = config.draft, ArithmeticTask(config.task.digits, config.task.operands)
+    [loss] = warm_up_draft(build_draft(config, policy), policy, task, CharTokenizer(), steps=1,
+                           batch_size=config.sft.batch_size, lr=0.0, ttt_steps=d.ttt_steps, pass_decay=d.pass_decay,
+                           seed=0, progress=False)
+    return loss
+
+
+@pytest.mark.slow
+def test_fit_runs_end_to_end_and_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    assert cli_main(["fit", "tiny_cpu", f"trainer.run_dir={run_dir}", "trainer.max_steps=2", *TINY]) == 0
+    for path in ["config.yaml", "training.png", "acceptance_length.png", "final/policy/config.json",
+                 "final/policy/model.safetensors", "final/policy/tokenizer.json", "final/draft/config.json",
+                 "checkpoints/last.ckpt", "warmstart/meta.json", "warmstart/draft/meta.json"]:
+        assert (run_dir / path).is_file(), path
+    rows = metrics(run_dir)
+    steps = {int(r["step"]) for r in rows if r.get("policy/loss")}
+    assert steps == {0, 1}
+    rewards = column(rows, "reward")
+    assert len(rewards) == 2 and all(0 <= r <= 1 for r in rewards), rewards
+    acceptance = column(rows, "spec/mean_acceptance_length")
+    assert len(acceptance) == 2 and all(a > 1 for a in acceptance), acceptance  # the synced draft is accepted
+    assert all(0 < d < 1e-3 for d in column(rows, "policy/engine_logprob_diff"))  # verified: the engine serves the policy
+    assert column(rows, "sync/mismatches") == [0.0, 0.0]
+    # 4 prompts x 4 samples fit the KV cache: all ran at once, none waited or was preempted
+    assert column(rows, "rollout/max_running") == [16.0, 16.0] and column(rows, "rollout/preemptions") == [0.0, 0.0]
+    # co-training steps ran on finite losses, below the untrained draft's (which is about ln(vocab) per pass)
+    draft_losses = column(rows, "draft/loss")
+    untrained = untrained_draft_loss(run_dir, load_config("tiny_cpu", [f"trainer.run_dir={run_dir}", *TINY]))
+    assert len(draft_losses) == 2 and all(loss < untrained for loss in draft_losses), (draft_losses, untrained)
+    last = next(r for r in rows if r.get("policy/kl") and int(r["step"]) == 1)
+    assert float(last["policy/kl"]) > 0 and 0 <= float(last["policy/clip_fraction"]) <= 1
+    summary = json.loads((run_dir / "spectrain_run.json").read_text())["result"]
+    assert summary["steps"] == 2 and set(summary["final"]) == {"greedy_reward", "sampled_reward", "sampled_reward_se"}
+    for when in ("warmstart", "final"):
+        assert 0 <= summary[when]["greedy_reward"] <= 1 and 0 <= summary[when]["sampled_reward"] <= 1, summary
+    assert summary["sampled_reward_gain_se"] == pytest.approx(
+        math.hypot(summary["final"]["sampled_reward_se"], summary["warmstart"]["sampled_reward_se"]), abs=1e-4)
+    held_out = [r for r in rows if r.get("eval/sampled_reward")]
+    assert [int(r["step"]) for r in held_out] == [1, 2]  # after steps 1 and 2 (the warm start is step 0's)
+    assert summary["final"]["sampled_reward"] == pytest.approx(float(held_out[-1]["eval/sampled_reward"]))
+
+    # Same command, more steps: resumes from the checkpoint instead of starting over.
+    config = load_config("tiny_cpu", [f"trainer.run_dir={run_dir}", "trainer.max_steps=3", *TINY])
+    result = SpecTrainer(config).fit()
+    assert result.steps == 3
+    assert {int(r["step"]) for r in metrics(run_dir) if r.get("policy/loss")} == {0, 1, 2}
+
+    # A resume that changes what is trained is refused, and the run is left as it was.
+    changed = load_config("tiny_cpu", [f"trainer.run_dir={run_dir}", "grpo.lr=1.0", *TINY])
+    with pytest.raises(RunDirError, match="different config"):
+        SpecTrainer(changed).fit()
+
+
+def test_existing_foreign_directory_is_refused(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    config = load_config("tiny_cpu", [f"trainer.run_dir={tmp_path}"])
+    with pytest.raises(RunDirError, match="not a spectrain run directory"):
+        SpecTrainer(config).fit()
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_existing_run_refused_with_resume_never(tmp_path):
+    (tmp_path / "spectrain_run.json").write_text("{}")
+    config = load_config("tiny_cpu", [f"trainer.run_dir={tmp_path}", "trainer.resume=never"])
+    with pytest.raises(RunDirError, match="resume=never"):
+        SpecTrainer(config).fit()
+
+
+def test_prompt_too_long_for_engine_fails_before_work(tmp_path):
+    config = load_config("tiny_cpu", [f"trainer.run_dir={tmp_path / 'r'}", "rollout.max_model_len=20"])
+    with pytest.raises(ConfigError, match="rollout.max_model_len"):
+        SpecTrainer(config).fit()
+    assert not (tmp_path / "r").exists()  # checked before the run directory is created (tests/e2e/test_bad_inputs.py)

@@ -1,0 +1,36 @@
+"""What several test files share: the shrunken recipe, metric readers, a tiny policy."""
+import csv
+
+import torch
+
+from spectrain.models.llama import LlamaConfig, LlamaForCausalLM
+from spectrain.tasks.tokenizer import CharTokenizer
+
+TINY = ["sft.steps=20", "sft.batch_size=16", "draft.warmup_steps=10", "rollout.prompts_per_step=4",
+        "rollout.group_size=4", "rollout.eval_prompts=8", "trainer.progress_bar=false",
+        "trainer.checkpoint_every_n_steps=1", "draft.check_alive=false",
+        "grpo.minibatches=2", "grpo.epochs=2", "grpo.kl_beta=0.05",
+        "trainer.eval_every_n_steps=1", "rollout.eval_samples=2"]  # 4 clipped updates per step, KL to warm start
+
+
+def metrics(run_dir):
+    rows = []
+    for path in sorted((run_dir / "logs").glob("version_*/metrics.csv")):
+        with open(path) as f:
+            rows += list(csv.DictReader(f))
+    return rows
+
+
+def column(rows: list[dict], key: str) -> list[float]:
+    """The steps' values of one metric ("nan" stays NaN, so range checks on it fail)."""
+    return [float(r[key]) for r in rows if r.get(key)]
+
+
+def tiny_policy(seed: int = 0) -> LlamaForCausalLM:
+    """Random weights with a large init, so greedy continuations are not all the same token."""
+    tok = CharTokenizer()
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=tok.vocab_size, hidden_size=128, intermediate_size=256,
+                                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=128, initializer_range=0.2))
+    return model

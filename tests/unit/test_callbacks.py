@@ -1,0 +1,157 @@
+"""Callbacks' own logic: NaN guard, liveness check, counter deltas (error paths use stand-ins)."""
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from spectrain.callbacks import AcceptanceLengthLogger, DraftCoTraining, SpeculationDeadError, WeightSync
+from spectrain.models.eagle3 import Eagle3Config, Eagle3Draft
+from spectrain.models.llama import LlamaConfig, LlamaForCausalLM, pack_sequences
+from spectrain.parallel.plan import LocalPlan, draft_inputs_from, ttt_valid_tokens
+from spectrain.batch import build_rollout_batch
+from spectrain.rollout.engine import Completion, SpecDecodeCounters
+from spectrain.rollout.vllm.weight_probe import ProbeResult
+
+
+class Module(SimpleNamespace):
+    """Just enough of GRPOModule for the callbacks: real draft and optimizer, logged values kept."""
+
+    def log(self, name, value, **_):
+        self.logged[name] = float(value)
+
+    def log_dict(self, values, **_):
+        self.logged.update({k: float(v) for k, v in values.items()})
+
+    def manual_backward(self, loss):
+        loss.backward()
+
+    def optimizers(self):
+        return [None, SimpleNamespace(optimizer=self.draft_opt)]
+
+
+def module_with_draft_inputs():
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                          num_attention_heads=2, num_key_value_heads=1))
+    draft = Eagle3Draft(Eagle3Config.from_policy(policy.cfg))
+    batch = build_rollout_batch([Completion(0, [1, 5, 6], [7, 8, 9, 2], [0.0] * 4, True),
+                                 Completion(0, [1, 4], [3, 3, 2], [0.0] * 3, True)], torch.tensor([1.0, -1.0]))
+    out = policy(batch.input_ids, batch.position_ids, batch.cu_seqlens, capture_layers=draft.cfg.aux_layer_ids)
+    inputs = [draft_inputs_from(out, batch, policy.attention_ops, None, ttt_valid_tokens(batch))]
+    return Module(draft=draft, draft_inputs=inputs, plan=LocalPlan(), logged={},
+                  draft_opt=torch.optim.SGD(draft.parameters(), lr=0.1))
+
+
+def test_draft_cotraining_steps_the_draft():
+    module = module_with_draft_inputs()
+    before = [p.detach().clone() for p in module.draft.parameters()]
+    DraftCoTraining(ttt_steps=2).on_train_batch_end(trainer_at(1), module, None, None, 0)
+    assert any(not torch.equal(a, b) for a, b in zip(before, module.draft.parameters()))
+    assert module.logged["draft/skipped_steps"] == 0 and "draft/pass_2_top1" in module.logged
+
+
+def test_nan_guard_skips_the_draft_step():
+    module = module_with_draft_inputs()
+    module.draft_inputs[0].teacher_logits.fill_(float("nan"))
+    before = [p.detach().clone() for p in module.draft.parameters()]
+    callback = DraftCoTraining(ttt_steps=2)
+    callback.on_train_batch_end(trainer_at(1), module, None, None, 0)
+    assert all(torch.equal(a, b) for a, b in zip(before, module.draft.parameters()))
+    assert callback.steps_skipped == 1 and module.logged["draft/skipped_steps"] == 1
+    assert callback.state_dict() == {"steps_trained": 0, "steps_skipped": 1}
+
+
+def test_every_n_steps():
+    module = module_with_draft_inputs()
+    callback = DraftCoTraining(every_n_steps=2, ttt_steps=1)
+    losses = []
+    for step in (1, 2, 3):
+        callback.on_train_batch_end(trainer_at(step), module, None, None, 0)
+        losses.append(module.logged["draft/loss"])
+    assert callback.steps_trained == 2  # steps 1 and 3
+    # the step in between logs NaN: a missing value would make Lightning repeat step 1's
+    assert math.isfinite(losses[0]) and math.isnan(losses[1]) and math.isfinite(losses[2])
+
+
+def trainer_at(step):
+    return SimpleNamespace(global_step=step, strategy=SimpleNamespace(reduce=lambda t, reduce_op: t))
+
+
+def stats(drafts, accepted):
+    spec = SpecDecodeCounters(drafts, 3 * drafts, accepted, [accepted, 0, 0])
+    return SimpleNamespace(spec=spec)
+
+
+def sync_trainer(step):
+    return SimpleNamespace(global_step=step, strategy=SimpleNamespace(broadcast=lambda x: x))
+
+
+def test_weight_sync_detects_dead_speculation():
+    """The engine serves the synced weights (the probe passes) but accepts nothing: the drafter is lost."""
+    engine = SimpleNamespace(sync_policy=lambda w, v: None, sync_draft=lambda w, v: None,
+                             verify_weights=lambda w, which, rtol: ProbeResult(0.0, []))
+    module = Module(engine=engine, plan=LocalPlan(), policy=torch.nn.Linear(2, 2), draft=object(), trains_draft=True,
+                    logged={}, rollout_stats=None, policy_weights_for_sync=lambda: [], draft_weights_for_sync=lambda: [])
+    callback = WeightSync(min_drafts_for_check=10)
+    callback.on_train_start(sync_trainer(0), module)
+    module.rollout_stats = stats(drafts=50, accepted=7)
+    callback.on_train_batch_end(sync_trainer(1), module, None, None, 0)  # alive: fine
+    module.rollout_stats = stats(drafts=50, accepted=0)
+    with pytest.raises(SpeculationDeadError, match="accepted nothing"):
+        callback.on_train_batch_end(sync_trainer(2), module, None, None, 0)
+
+
+def test_acceptance_logger_logs_deltas(tmp_path):
+    module = Module(plan=LocalPlan(), logged={}, rollout_stats=stats(drafts=10, accepted=15))
+    logger = AcceptanceLengthLogger(plot_path=str(tmp_path / "acc.png"))
+    logger.on_train_batch_end(SimpleNamespace(global_step=1), module, None, None, 0)
+    assert module.logged["spec/mean_acceptance_length"] == pytest.approx(2.5)
+    assert module.logged["spec/acceptance_rate"] == pytest.approx(0.5)
+    assert module.logged["spec/pos_0_rate"] == pytest.approx(1.5)
+    module.rollout_stats = stats(drafts=0, accepted=0)  # a step that drafted nothing (k=0) logs NaN
+    logger.on_train_batch_end(SimpleNamespace(global_step=2), module, None, None, 0)
+    assert math.isnan(module.logged["spec/mean_acceptance_length"]) and len(logger.history) == 1
+    logger.on_train_end(SimpleNamespace(default_root_dir=str(tmp_path)), module)
+    assert (tmp_path / "acc.png").is_file()
+
+
+def test_counter_deltas():
+    a = SpecDecodeCounters(10, 30, 12, [8, 3, 1])
+    b = SpecDecodeCounters(4, 12, 6, [4, 2])
+    d = a - b
+    assert (d.num_drafts, d.num_accepted_tokens, d.accepted_per_pos) == (6, 6, [4, 1, 1])
+    assert d.mean_acceptance_length == 2.0 and SpecDecodeCounters().mean_acceptance_length == 1.0
+
+
+def test_packed_helper_round_trip():
+    ids, pos, cu = pack_sequences([[1, 2], [3]])
+    assert ids.tolist() == [1, 2, 3] and pos.tolist() == [0, 1, 0] and cu.tolist() == [0, 2, 3]
+
+
+def test_stop_on_signal_checkpoints_at_the_step_boundary(tmp_path):
+    import os
+    import signal
+
+    from spectrain.callbacks import StopOnSignal
+
+    saved = []
+    trainer = SimpleNamespace(global_step=3, is_global_zero=True, should_stop=False,
+                              strategy=SimpleNamespace(reduce=lambda t, reduce_op: t), save_checkpoint=saved.append)
+    callback = StopOnSignal(str(tmp_path / "last.ckpt"))
+    before = signal.getsignal(signal.SIGTERM)
+    callback.on_train_start(trainer, None)
+    try:
+        callback.on_train_batch_end(trainer, None, None, None, 0)
+        assert not saved and not trainer.should_stop  # no signal: nothing happens
+        os.kill(os.getpid(), signal.SIGTERM)  # noted only: the step in flight finishes
+        os.kill(os.getpid(), signal.SIGINT)  # a different signal (torchrun's follow-up) does not abort
+        callback.on_train_batch_end(trainer, None, None, None, 0)
+        assert saved == [str(tmp_path / "last.ckpt")] and trainer.should_stop
+        error = callback.interruption(trainer.global_step)
+        assert error.exit_code == 143 and "SIGTERM after 3 steps" in str(error) and "resume" in str(error)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)  # the same signal again: abort now
+    finally:
+        callback.teardown(trainer, None, "fit")
+    assert signal.getsignal(signal.SIGTERM) == before
