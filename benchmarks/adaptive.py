@@ -78,7 +78,7 @@ class BenchOptions:
     draft_steps: int = 120
     draft_batch: int = 4
     draft_len: int = 72  # tokens per training sequence (greedy outputs of the policy): cover every position the rollout reaches
-    ttt_steps: int = 3  # TTT passes when training the draft (it still proposes up to k_max)
+    ttt_passes: int = 3  # TTT passes when training the draft (it still proposes up to k_max)
     bandit_arms: str = "0,1,2,3,5"
     bandit_edges: str = "4,16,64"
     verify_budget: int = 0  # 0: calibrate here with the `spectrain calibrate` procedure
@@ -134,8 +134,8 @@ def long_tailed_lengths(opts: BenchOptions, n: int, seed: int) -> list[int]:
             for _ in range(n)]
 
 
-def draft_loss_on(draft: Eagle3Draft, policy: LlamaForCausalLM, batch: RolloutBatch, out, ttt_steps: int):
-    logits = draft(out.embeds, out.aux_hidden, batch.position_ids, batch.cu_seqlens, ttt_steps,
+def draft_loss_on(draft: Eagle3Draft, policy: LlamaForCausalLM, batch: RolloutBatch, out, ttt_passes: int):
+    logits = draft(out.embeds, out.tap_hidden, batch.position_ids, batch.cu_seqlens, ttt_passes,
                    ops=policy.attention_ops)
     return ttt_loss(logits, out.logits, batch.response_mask, batch.cu_seqlens, draft.t2d)
 
@@ -149,8 +149,8 @@ def train_draft(draft: Eagle3Draft, policy: LlamaForCausalLM, data: list[Complet
         batch = build_rollout_batch(rng.sample(data, min(opts.draft_batch, len(data))), torch.zeros(
             min(opts.draft_batch, len(data))))
         with torch.no_grad():
-            out = policy(batch.input_ids, batch.position_ids, batch.cu_seqlens, capture_layers=draft.cfg.aux_layer_ids)
-        loss, metrics = draft_loss_on(draft, policy, batch, out, opts.ttt_steps)
+            out = policy(batch.input_ids, batch.position_ids, batch.cu_seqlens, tap_layers=draft.cfg.tap_layers)
+        loss, metrics = draft_loss_on(draft, policy, batch, out, opts.ttt_passes)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
@@ -232,9 +232,9 @@ class E2EState:
     taps: tuple | None = None  # (batch, policy output) of the latest policy step
 
 
-def draft_step(state: E2EState, ttt_steps: int) -> None:
+def draft_step(state: E2EState, ttt_passes: int) -> None:
     batch, out = state.taps
-    loss, _ = draft_loss_on(state.draft, state.policy, batch, out, ttt_steps)
+    loss, _ = draft_loss_on(state.draft, state.policy, batch, out, ttt_passes)
     state.draft_opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(state.draft.parameters(), 1.0)
@@ -252,7 +252,7 @@ def grpo_like_step(state: E2EState, engine, prompts, sampling, controller, spot:
                             for c in result.completions])
     batch = build_rollout_batch(result.completions, group_advantages(rewards, opts.e2e_group))
     out = state.policy(batch.input_ids, batch.position_ids, batch.cu_seqlens,
-                       capture_layers=state.draft.cfg.aux_layer_ids)
+                       tap_layers=state.draft.cfg.tap_layers)
     logprobs = token_logprobs(out.logits, batch.targets)
     loss = grpo_loss(logprobs, logprobs.detach(), batch.advantages, batch.response_mask).loss
     state.policy_opt.zero_grad(set_to_none=True)
@@ -260,7 +260,7 @@ def grpo_like_step(state: E2EState, engine, prompts, sampling, controller, spot:
     torch.nn.utils.clip_grad_norm_(state.policy.parameters(), 1.0)
     state.policy_opt.step()
     state.taps = (batch, out)  # the draft and its loss detach what they read
-    draft_step(state, opts.ttt_steps)
+    draft_step(state, opts.ttt_passes)
     t2 = time.perf_counter()
     sync_engine(engine, state)
     t3 = time.perf_counter()
@@ -294,7 +294,7 @@ def run_e2e(opts, spec, policy_dir, draft_dir, budget) -> dict:
         for name in modes if i % 2 == 0 else modes[::-1]:
             state = states[name]
             sync_engine(spec, state)
-            spot = LongTailTrainer(spot_policy[name], lambda: draft_step(state, opts.ttt_steps)) if state.taps else None
+            spot = LongTailTrainer(spot_policy[name], lambda: draft_step(state, opts.ttt_passes)) if state.taps else None
             record = grpo_like_step(state, spec, prompts, sampling, ConcurrencyController(rule), spot, opts)
             if i:
                 records[name].append(record)

@@ -25,7 +25,7 @@ are allocated before the reset (they are not activations). Tables give the max o
 Time is the wall time of the same run (one warm-up per process before the sweep); at CP=4 on a
 2-core machine four processes share two cores, so times there are not speed-ups.
 
-Usage: `spectrain bench cp [tokens=1024,2048,...,32768] [cp=1,2,4] [ttt_steps=3]
+Usage: `spectrain bench cp [tokens=1024,2048,...,32768] [cp=1,2,4] [ttt_passes=3]
 [dense_max_gib=2] [out=docs/benchmarks]`; writes cp.json, cp.md and cp.png under `out`.
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ from benchmarks.ranks import run_on_ranks
 from spectrain.parallel.cp.ring import ZigzagRingAttentionOps, _acc_dtype, _add_rows, _Step
 from spectrain.plots import plot_panels
 
-DEFAULTS = {"tokens": "1024,2048,4096,8192,16384,32768", "cp": "1,2,4", "ttt_steps": 3, "dense_max_gib": 2.0,
+DEFAULTS = {"tokens": "1024,2048,4096,8192,16384,32768", "cp": "1,2,4", "ttt_passes": 3, "dense_max_gib": 2.0,
             "out": "docs/benchmarks", "timeout": 1800.0}
 POLICY = dict(vocab_size=128, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2)
@@ -212,7 +212,7 @@ def _step_point(models, plan, tokens: int, passes: int, world: int) -> dict:
         p.grad = torch.zeros_like(p)
 
     def work():
-        result = plan.policy_forward_backward(models.policy, batch, loss_fn, models.draft.cfg.aux_layer_ids,
+        result = plan.policy_forward_backward(models.policy, batch, loss_fn, models.draft.cfg.tap_layers,
                                               lambda loss: loss.backward())
         plan.reduce_gradients(models.policy)
         models.draft_inputs = result.draft_inputs
@@ -232,7 +232,7 @@ def _sweep(rank: int, world: int, o: dict) -> list[dict]:
     from spectrain.parallel.mesh import build_mesh
     from spectrain.parallel.plan import LocalPlan
 
-    tokens, passes = o["token_list"], o["ttt_steps"]
+    tokens, passes = o["token_list"], o["ttt_passes"]
     rows = []
 
     def record(workload, method, t, point):
@@ -335,7 +335,7 @@ def write_report(out_dir: Path, o: dict, rows: list[dict], summary: dict, label:
               ("training step: peak MiB per rank", series(rows, "step", "peak_mib")),
               ("TTT attention: seconds", series(rows, "ttt", "seconds")),
               ("training step: seconds", series(rows, "step", "seconds"))]
-    plot_panels(out_dir / "cp.png", f"context parallel: activation memory and time vs tokens (K={o['ttt_steps']})",
+    plot_panels(out_dir / "cp.png", f"context parallel: activation memory and time vs tokens (K={o['ttt_passes']})",
                 panels, xlabel="total tokens", logx=True, logy=True)
 
     def table(workload):
@@ -367,11 +367,11 @@ per point (count, shortest..longest): {docs}.
 Method and caveats: see the docstring of `benchmarks/cp.py` (fresh processes, mmap'd malloc,
 peak-RSS reset after setup; at CP=4 four processes share two cores, so times there are not speed-ups).
 
-## Draft TTT attention, forward + backward of K={o['ttt_steps']} passes
+## Draft TTT attention, forward + backward of K={o['ttt_passes']} passes
 
 {table("ttt")}
 
-## Training step (policy {POLICY['num_hidden_layers']} layers x {POLICY['hidden_size']} + draft, K={o['ttt_steps']})
+## Training step (policy {POLICY['num_hidden_layers']} layers x {POLICY['hidden_size']} + draft, K={o['ttt_passes']})
 
 {table("step")}
 

@@ -121,7 +121,7 @@ def _measure(rank: int, port: int, o: dict) -> dict:
 
     transports = {"taps": _timed(TapChannel), "no_taps": _timed(TapChannel), "blocking": _timed(BlockingTapTransport)}
     plans = {(s, m): PipelinePlan(mesh, s, o["microbatches"], transports[m]) for s in SCHEDULES for m in MODES}
-    aux = tuple(draft.cfg.aux_layer_ids)
+    aux = tuple(draft.cfg.tap_layers)
 
     def step(schedule: str, mode: str) -> tuple[float, float, float, float]:
         plan, transport = plans[schedule, mode], transports[mode]

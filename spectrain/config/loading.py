@@ -62,13 +62,20 @@ def _load_with_defaults(path: Path, seen: tuple[Path, ...] = ()) -> list[DictCon
     return layers + [node]
 
 
+# keys that were renamed: a recipe that still uses the old name is told the new one
+RENAMED_KEYS = {"draft.aux_layer_ids": "draft.tap_layers", "draft.ttt_steps": "draft.ttt_passes"}
+
+
 def _merge(base: DictConfig, layer: DictConfig, origin: str) -> DictConfig:
     try:
         return OmegaConf.merge(base, layer)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or _mistyped_section(base, layer)
+        if key in RENAMED_KEYS:
+            raise ConfigError(f"{origin}: '{key}' was renamed to '{RENAMED_KEYS[key]}' (docs/glossary.md); use the "
+                              f"new name") from exc
         raise ConfigError(f"{origin}: bad value for '{key}': {_merge_reason(exc)}. "
-                          f"Check the key's spelling and type against spectrain/config.py "
+                          f"Check the key's spelling and type against spectrain/config/schema.py "
                           f"(`spectrain show-config` prints every key with its default)") from exc
 
 

@@ -71,8 +71,8 @@ class GRPOConfig:
 class DraftConfig:
     mode: str = "cotrained"  # cotrained | frozen | none
     num_speculative_tokens: int = 3
-    ttt_steps: int = 3
-    aux_layer_ids: list[int] | None = None  # None: vLLM's (2, n//2, n-3); (1, n//2, n-1) if those repeat
+    ttt_passes: int = 3
+    tap_layers: list[int] | None = None  # None: vLLM's (2, n//2, n-3); (1, n//2, n-1) if those repeat
     lr: float = 3e-3
     grad_clip: float = 1.0
     every_n_steps: int = 1

@@ -47,7 +47,7 @@ _AT_LEAST_ONE = (
     "policy.hidden_size", "policy.intermediate_size", "policy.num_hidden_layers", "policy.num_attention_heads",
     "policy.num_key_value_heads", "policy.max_position_embeddings", "task.digits", "sft.batch_size",
     "rollout.prompts_per_step", "rollout.max_new_tokens", "rollout.max_model_len", "rollout.eval_prompts",
-    "grpo.minibatches", "grpo.epochs", "draft.num_speculative_tokens", "draft.ttt_steps", "draft.every_n_steps",
+    "grpo.minibatches", "grpo.epochs", "draft.num_speculative_tokens", "draft.ttt_passes", "draft.every_n_steps",
     "parallel.dp", "parallel.cp", "parallel.pp", "parallel.microbatches", "speculation.bandit.window",
     "speculation.bandit.min_plays", "speculation.long_tail.threshold", "trainer.log_every_n_steps",
     "trainer.checkpoint_every_n_steps",
@@ -131,13 +131,13 @@ def _check_draft(c: SpecTrainConfig) -> None:
     d, layers = c.draft, c.policy.num_hidden_layers
     _one_of(d.mode, "draft.mode", ("cotrained", "frozen", "none"))
     _require(0 < d.pass_decay <= 1, "draft.pass_decay", f"is {d.pass_decay}; it must be in (0, 1]")
-    if d.aux_layer_ids is not None:
-        bad = [i for i in d.aux_layer_ids if not 0 <= i < layers]
-        _require(not bad and len(d.aux_layer_ids) == 3, "draft.aux_layer_ids",
-                 f"{list(d.aux_layer_ids)} must be 3 layer ids in 0..{layers - 1}, e.g. draft.aux_layer_ids=[0,1,2]")
+    if d.tap_layers is not None:
+        bad = [i for i in d.tap_layers if not 0 <= i < layers]
+        _require(not bad and len(d.tap_layers) == 3, "draft.tap_layers",
+                 f"{list(d.tap_layers)} must be 3 layer ids in 0..{layers - 1}, e.g. draft.tap_layers=[0,1,2]")
     elif d.mode != "none":
         _require(layers >= 4, "policy.num_hidden_layers",
-                 "EAGLE-3's default aux layers (2, n//2, n-3) need >= 4 layers; set draft.aux_layer_ids")
+                 "EAGLE-3's default aux layers (2, n//2, n-3) need >= 4 layers; set draft.tap_layers")
 
 
 def _check_parallel(c: SpecTrainConfig) -> None:

@@ -27,7 +27,7 @@ from spectrain.models.llama import (
     LlamaConfig,
     RMSNorm,
     SwiGLU,
-    default_aux_layer_ids,
+    default_tap_layers,
     rope_cos_sin,
 )
 from spectrain.ops.ttt_attention import ttt_attention
@@ -42,7 +42,7 @@ ShiftFn = Callable[[torch.Tensor, torch.Tensor, int, float], torch.Tensor]
 class Eagle3Config:
     """Architecture of the draft; names match vLLM's EAGLE-3 `config.json`.
 
-    `aux_layer_ids` is kept sorted: vLLM captures the aux states in layer order whatever
+    `tap_layers` is kept sorted: vLLM captures the aux states in layer order whatever
     order the config lists them in, and `fc` must see them in that order.
     """
 
@@ -53,7 +53,7 @@ class Eagle3Config:
     vocab_size: int
     draft_vocab_size: int
     target_hidden_size: int
-    aux_layer_ids: tuple[int, ...]
+    tap_layers: tuple[int, ...]
     head_dim: int | None = None
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
@@ -63,11 +63,11 @@ class Eagle3Config:
     def __post_init__(self) -> None:
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
-        ids = tuple(int(i) for i in self.aux_layer_ids)
+        ids = tuple(int(i) for i in self.tap_layers)
         if len(set(ids)) != len(ids) or not ids:
-            raise ValueError(f"aux_layer_ids={ids} must be distinct and non-empty: vLLM "
+            raise ValueError(f"tap_layers={ids} must be distinct and non-empty: vLLM "
                              "captures each layer once, so duplicates break the fc input size")
-        self.aux_layer_ids = tuple(sorted(ids))
+        self.tap_layers = tuple(sorted(ids))
         if self.hidden_size != self.target_hidden_size:
             raise ValueError(
                 f"draft hidden_size={self.hidden_size} must equal target_hidden_size="
@@ -81,7 +81,7 @@ class Eagle3Config:
         cls,
         policy: LlamaConfig,
         draft_vocab_size: int | None = None,
-        aux_layer_ids: Sequence[int] | None = None,
+        tap_layers: Sequence[int] | None = None,
         intermediate_size: int | None = None,
     ) -> "Eagle3Config":
         """A draft sized like one layer of `policy`, reading its embeddings and aux states.
@@ -90,12 +90,12 @@ class Eagle3Config:
         distinct ones, `(1, n//2, n-1)`.
         """
         n = policy.num_hidden_layers
-        if aux_layer_ids is None:
-            aux_layer_ids = default_aux_layer_ids(n)
-            if len(set(aux_layer_ids)) < 3 or min(aux_layer_ids) < 0:
-                aux_layer_ids = (1, n // 2, n - 1)
-        if max(aux_layer_ids) >= n or min(aux_layer_ids) < 0:
-            raise ValueError(f"aux_layer_ids={tuple(aux_layer_ids)} must be in 0..{n - 1} "
+        if tap_layers is None:
+            tap_layers = default_tap_layers(n)
+            if len(set(tap_layers)) < 3 or min(tap_layers) < 0:
+                tap_layers = (1, n // 2, n - 1)
+        if max(tap_layers) >= n or min(tap_layers) < 0:
+            raise ValueError(f"tap_layers={tuple(tap_layers)} must be in 0..{n - 1} "
                              f"(the policy has {n} layers)")
         return cls(
             hidden_size=policy.hidden_size,
@@ -106,7 +106,7 @@ class Eagle3Config:
             vocab_size=policy.vocab_size,
             draft_vocab_size=draft_vocab_size or policy.vocab_size,
             target_hidden_size=policy.hidden_size,
-            aux_layer_ids=tuple(aux_layer_ids),
+            tap_layers=tuple(tap_layers),
             rms_norm_eps=policy.rms_norm_eps,
             rope_theta=policy.rope_theta,
             max_position_embeddings=policy.max_position_embeddings,
@@ -147,7 +147,7 @@ class Eagle3Draft(nn.Module):
     def __init__(self, cfg: Eagle3Config) -> None:
         super().__init__()
         self.cfg = cfg
-        self.fc = nn.Linear(len(cfg.aux_layer_ids) * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.fc = nn.Linear(len(cfg.tap_layers) * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = Eagle3Midlayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -169,7 +169,7 @@ class Eagle3Draft(nn.Module):
     def forward(
         self,
         embeds: torch.Tensor,
-        aux_hidden: Sequence[torch.Tensor],
+        tap_hidden: Sequence[torch.Tensor],
         position_ids: torch.Tensor,
         cu_seqlens: torch.Tensor,
         num_steps: int,
@@ -182,7 +182,7 @@ class Eagle3Draft(nn.Module):
             embeds: the policy's embedding output `[T, H]` (its `CausalLMOutput.embeds`),
                 i.e. `e(x_t)`; detached (the draft never trains the policy) and cast to the
                 draft's dtype.
-            aux_hidden: the policy's aux states `[T, H_target]`, one per `aux_layer_ids`
+            tap_hidden: the policy's aux states `[T, H_target]`, one per `tap_layers`
                 entry in that (sorted) order; detached and cast likewise.
             position_ids, cu_seqlens: the packed batch (RoPE positions of the tokens).
             num_steps: K, the passes unrolled.
@@ -201,7 +201,7 @@ class Eagle3Draft(nn.Module):
         assert position_ids.shape == (t,), (position_ids.shape, t)
         assert num_steps >= 1, num_steps
         embeds = embeds.detach().to(self.fc.weight.dtype)
-        hidden = self.combine_aux(aux_hidden)
+        hidden = self.combine_aux(tap_hidden)
         keys, values, logits = [], [], []
         for d in range(1, num_steps + 1):
             next_embeds = shift_fn(embeds, cu_seqlens, d, 0.0)
@@ -216,12 +216,12 @@ class Eagle3Draft(nn.Module):
             logits.append(self.lm_head(self.norm(hidden)))
         return logits
 
-    def combine_aux(self, aux_hidden: Sequence[torch.Tensor]) -> torch.Tensor:
+    def combine_aux(self, tap_hidden: Sequence[torch.Tensor]) -> torch.Tensor:
         """`fc(cat(aux))`, vLLM's `combine_hidden_states`: the draft's pass-1 hidden `[T, H]`."""
-        assert len(aux_hidden) == len(self.cfg.aux_layer_ids), (len(aux_hidden), self.cfg.aux_layer_ids)
-        for a in aux_hidden:
-            assert a.shape == (aux_hidden[0].shape[0], self.cfg.target_hidden_size), a.shape
-        return self.fc(torch.cat([a.detach() for a in aux_hidden], dim=-1).to(self.fc.weight.dtype))
+        assert len(tap_hidden) == len(self.cfg.tap_layers), (len(tap_hidden), self.cfg.tap_layers)
+        for a in tap_hidden:
+            assert a.shape == (tap_hidden[0].shape[0], self.cfg.target_hidden_size), a.shape
+        return self.fc(torch.cat([a.detach() for a in tap_hidden], dim=-1).to(self.fc.weight.dtype))
 
 
 def shift_within_docs(x: torch.Tensor, cu_seqlens: torch.Tensor, shift: int, fill: float = 0) -> torch.Tensor:
@@ -358,8 +358,8 @@ def draft_config_dict(cfg: Eagle3Config, policy_cfg: LlamaConfig, dtype: torch.d
         problems.append(f"vocab_size {cfg.vocab_size} != policy's {policy_cfg.vocab_size}")
     if cfg.target_hidden_size != policy_cfg.hidden_size:
         problems.append(f"target_hidden_size {cfg.target_hidden_size} != policy's {policy_cfg.hidden_size}")
-    if max(cfg.aux_layer_ids) >= policy_cfg.num_hidden_layers:
-        problems.append(f"aux_layer_ids {cfg.aux_layer_ids} beyond the policy's "
+    if max(cfg.tap_layers) >= policy_cfg.num_hidden_layers:
+        problems.append(f"tap_layers {cfg.tap_layers} beyond the policy's "
                         f"{policy_cfg.num_hidden_layers} layers")
     if problems:
         raise ValueError("the draft does not fit the policy: " + "; ".join(problems))
@@ -382,7 +382,7 @@ def draft_config_dict(cfg: Eagle3Config, policy_cfg: LlamaConfig, dtype: torch.d
         "eos_token_id": policy_cfg.eos_token_id,
         "pad_token_id": policy_cfg.pad_token_id,
         "torch_dtype": str(dtype).removeprefix("torch."),
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.tap_layers),
                          "use_aux_hidden_state": True},
     }
 
@@ -410,7 +410,7 @@ def load_draft(draft_dir: str | Path, dtype: torch.dtype = torch.float32) -> Eag
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path}/config.json not found: export the draft with export_draft first")
     raw = json.loads((path / "config.json").read_text())
-    names = {f.name for f in dataclasses.fields(Eagle3Config)} - {"aux_layer_ids"}
+    names = {f.name for f in dataclasses.fields(Eagle3Config)} - {"tap_layers"}
     kwargs = {k: v for k, v in raw.items() if k in names}
     kwargs.setdefault("draft_vocab_size", raw["vocab_size"])
     kwargs.setdefault("target_hidden_size", raw["hidden_size"])
@@ -418,7 +418,7 @@ def load_draft(draft_dir: str | Path, dtype: torch.dtype = torch.float32) -> Eag
     if not ids:
         raise ValueError(f"{path}/config.json has no eagle_config.eagle_aux_hidden_state_layer_ids: "
                          "the aux layers the draft was trained on are unknown")
-    draft = Eagle3Draft(Eagle3Config(aux_layer_ids=tuple(ids), **kwargs)).to(dtype)
+    draft = Eagle3Draft(Eagle3Config(tap_layers=tuple(ids), **kwargs)).to(dtype)
     state = load_file(str(path / _WEIGHTS))
     if "t2d" not in state and "d2t" in state:
         state["t2d"] = torch.zeros(draft.cfg.vocab_size, dtype=torch.bool)

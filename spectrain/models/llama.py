@@ -138,7 +138,7 @@ class CausalLMOutput:
     logits: torch.Tensor | None
     hidden: torch.Tensor  # after the final norm, [T, H]
     embeds: torch.Tensor  # embedding output, [T, H]
-    aux_hidden: list[torch.Tensor] = field(default_factory=list)  # residual entering each captured layer
+    tap_hidden: list[torch.Tensor] = field(default_factory=list)  # residual entering each captured layer
 
 
 class LlamaModel(nn.Module):
@@ -178,7 +178,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         cu_seqlens: torch.Tensor,
-        capture_layers: tuple[int, ...] = (),
+        tap_layers: tuple[int, ...] = (),
         compute_logits: bool = True,
     ) -> CausalLMOutput:
         assert input_ids.dim() == 1 and input_ids.shape == position_ids.shape, (
@@ -190,21 +190,21 @@ class LlamaForCausalLM(nn.Module):
         captured: dict[int, torch.Tensor] = {}
         x = embeds
         for idx, layer in self.model.layers.items():
-            if int(idx) in capture_layers:
+            if int(idx) in tap_layers:
                 captured[int(idx)] = x
             x = layer(x, cos, sin, cu_seqlens, self.attention_ops)
         hidden = self.model.norm(x)
         logits = self.lm_head(hidden) if compute_logits else None
-        missing = set(capture_layers) - set(captured)
+        missing = set(tap_layers) - set(captured)
         if missing:
             raise ValueError(
                 f"aux layer ids {sorted(missing)} do not exist: the policy has layers "
-                f"0..{self.cfg.num_hidden_layers - 1}; fix draft.aux_layer_ids"
+                f"0..{self.cfg.num_hidden_layers - 1}; fix draft.tap_layers"
             )
-        return CausalLMOutput(logits, hidden, embeds, [captured[i] for i in capture_layers])
+        return CausalLMOutput(logits, hidden, embeds, [captured[i] for i in tap_layers])
 
 
-def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+def default_tap_layers(num_layers: int) -> tuple[int, int, int]:
     """vLLM's EAGLE-3 default: the residual entering layers (2, n//2, n-3)."""
     return (2, num_layers // 2, num_layers - 3)
 

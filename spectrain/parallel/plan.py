@@ -30,7 +30,7 @@ class DraftInputs:
 
     batch: RolloutBatch  # this chunk's tokens, as the draft sees them (local shard under CP)
     embeds: torch.Tensor
-    aux_hidden: list[torch.Tensor]
+    tap_hidden: list[torch.Tensor]
     teacher_logits: torch.Tensor
     attention_ops: object  # local ops, or the CP ring ops of this batch
     shift_fn: ShiftFn | None  # None: shift within documents; CP passes its boundary exchange
@@ -52,7 +52,7 @@ class TrainPlan(Protocol):
     def share(self, obj): ...
 
     def policy_forward_backward(self, policy: LlamaForCausalLM, batch: RolloutBatch, loss_fn: PolicyLossFn,
-                                capture_layers: tuple[int, ...], backward: Callable) -> PolicyStepResult: ...
+                                tap_layers: tuple[int, ...], backward: Callable) -> PolicyStepResult: ...
 
     def reduce_gradients(self, module: nn.Module) -> None: ...
 
@@ -72,7 +72,7 @@ def ttt_valid_tokens(batch: RolloutBatch) -> float:
 
 
 def draft_inputs_from(out: CausalLMOutput, batch: RolloutBatch, ops, shift_fn, num_valid_tokens: float) -> DraftInputs:
-    return DraftInputs(batch, out.embeds.detach(), [h.detach() for h in out.aux_hidden], out.logits.detach(),
+    return DraftInputs(batch, out.embeds.detach(), [h.detach() for h in out.tap_hidden], out.logits.detach(),
                        ops, shift_fn, num_valid_tokens)
 
 
@@ -85,12 +85,12 @@ class LocalPlan:
     def share(self, obj):
         return obj
 
-    def policy_forward_backward(self, policy, batch, loss_fn, capture_layers, backward) -> PolicyStepResult:
-        out = policy(batch.input_ids, batch.position_ids, batch.cu_seqlens, capture_layers=capture_layers)
+    def policy_forward_backward(self, policy, batch, loss_fn, tap_layers, backward) -> PolicyStepResult:
+        out = policy(batch.input_ids, batch.position_ids, batch.cu_seqlens, tap_layers=tap_layers)
         loss, logprobs = loss_fn(out.logits, batch)
         backward(loss)
         inputs = [draft_inputs_from(out, batch, policy.attention_ops, None, ttt_valid_tokens(batch))] \
-            if capture_layers else []
+            if tap_layers else []
         return PolicyStepResult(loss.detach(), logprobs.detach(), batch, inputs)
 
     def reduce_gradients(self, module: nn.Module) -> None:

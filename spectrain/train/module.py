@@ -28,10 +28,10 @@ from spectrain.rollout.speculation._adaptive_old import (
     LongTailTrainer,
     SpecController,
     build_controller,
-    spot_draft_step,
     uses_step_loop,
 )
 from spectrain.rollout.speculation._old import LongTailPolicy
+from spectrain.train.draft_update import draft_update
 from spectrain.rollout.step_loop import generate_stepwise
 
 
@@ -72,9 +72,9 @@ class GRPOModule(L.LightningModule):
         self.engine_logprob_diff: float = float("nan")
 
     @property
-    def aux_layer_ids(self) -> tuple[int, ...]:
+    def tap_layers(self) -> tuple[int, ...]:
         """The draft's own ids: the ones exported to vLLM, so training and inference see the same taps."""
-        return tuple(self.draft.cfg.aux_layer_ids)
+        return tuple(self.draft.cfg.tap_layers)
 
     @property
     def trains_draft(self) -> bool:
@@ -91,6 +91,15 @@ class GRPOModule(L.LightningModule):
     def policy_optimizer(self):
         opts = self.optimizers()
         return opts[0] if isinstance(opts, list) else opts
+
+    def draft_optimizer(self) -> torch.optim.Optimizer:
+        """The raw torch optimizer: stepping Lightning's wrapper would advance `global_step` twice per batch."""
+        return self.optimizers()[1].optimizer
+
+    @property
+    def teacher_dtype(self) -> torch.dtype:
+        """The dtype of the teacher logits and draft loss (the policy's, at least float32)."""
+        return torch.promote_types(next(self.policy.parameters()).dtype, torch.float32)
 
     def transfer_batch_to_device(self, batch, device, dataloader_idx):
         return batch  # prompts are strings: nothing to move, and Lightning rejects frozen dataclasses
@@ -174,7 +183,9 @@ class GRPOModule(L.LightningModule):
         if not (lt.enabled and self.trains_draft and self.draft_inputs):
             return None
         policy = LongTailPolicy(lt.threshold, mode=True, max_steps=lt.max_steps)
-        return LongTailTrainer(policy, lambda: spot_draft_step(self, d.ttt_steps, d.pass_decay, d.grad_clip))
+        return LongTailTrainer(policy, lambda: draft_update(
+            self.draft, self.draft_optimizer(), self.draft_inputs, ttt_passes=d.ttt_passes, pass_decay=d.pass_decay,
+            grad_clip=d.grad_clip, backward=self.manual_backward))
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         state = self.speculation.state_dict() if self.speculation is not None else self._speculation_state
@@ -202,7 +213,7 @@ class GRPOModule(L.LightningModule):
         assert all(len(c.logprobs) == len(c.token_ids) for c in completions), (
             "the rollout engine must return each sampled token's logprob: they are GRPO's old policy")
         batch = build_rollout_batch(completions, group_advantages(rewards, self.config.rollout.group_size, g.adv_eps))
-        capture = self.aux_layer_ids if self.trains_draft else ()
+        capture = self.tap_layers if self.trains_draft else ()
         generator = torch.Generator().manual_seed(self.config.trainer.seed * 1_000_003 + self.global_step)
         updates = [(epoch, docs) for epoch in range(g.epochs)
                    for docs in minibatch_documents(batch.num_docs, g.minibatches, generator)]

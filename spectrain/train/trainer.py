@@ -181,7 +181,7 @@ class SpecTrainer:
         callbacks: list[Callback] = []
         if d.mode == "cotrained":
             callbacks.append(DraftCoTraining(every_n_steps=d.every_n_steps, grad_clip=d.grad_clip,
-                                             ttt_steps=d.ttt_steps, pass_decay=d.pass_decay))
+                                             ttt_passes=d.ttt_passes, pass_decay=d.pass_decay))
         sync = self.config.sync
         callbacks.append(WeightSync(check_alive=d.check_alive and d.mode != "none", on_mismatch=sync.on_mismatch,
                                     on_dead=d.on_dead, logprob_tolerance=sync.logprob_tolerance,

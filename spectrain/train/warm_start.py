@@ -31,9 +31,11 @@ from tqdm.auto import tqdm
 
 from spectrain.config import describe_differences
 from spectrain.errors import RunDirError
-from spectrain.models.eagle3 import Eagle3Config, Eagle3Draft, export_draft, load_draft, ttt_loss
+from spectrain.models.eagle3 import Eagle3Config, Eagle3Draft, export_draft, load_draft
 from spectrain.models.hf_io import load_pretrained, save_pretrained
 from spectrain.models.llama import LlamaForCausalLM
+from spectrain.parallel.plan import draft_inputs_from, ttt_valid_tokens
+from spectrain.train.draft_update import draft_update
 from spectrain.batch import RolloutBatch, build_rollout_batch
 from spectrain.train.grpo import token_logprobs
 from spectrain.rollout.engine import Completion
@@ -153,34 +155,32 @@ def warm_start_policy(config, policy: LlamaForCausalLM, task, tokenizer, cache_r
 
 
 def build_draft(config, policy: LlamaForCausalLM) -> Eagle3Draft:
-    ids = config.draft.aux_layer_ids
-    cfg = Eagle3Config.from_policy(policy.cfg, aux_layer_ids=tuple(ids) if ids is not None else None)
+    ids = config.draft.tap_layers
+    cfg = Eagle3Config.from_policy(policy.cfg, tap_layers=tuple(ids) if ids is not None else None)
     torch.manual_seed(config.trainer.seed + 1)
     return Eagle3Draft(cfg)
 
 
 def warm_up_draft(draft: Eagle3Draft, policy: LlamaForCausalLM, source, tokenizer, steps: int,
-                  batch_size: int, lr: float, ttt_steps: int, pass_decay: float, seed: int,
+                  batch_size: int, lr: float, ttt_passes: int, pass_decay: float, seed: int,
                   progress: bool = True) -> list[float]:
-    """Offline TTT on teacher-forced task data; the policy is frozen (no grad)."""
+    """Offline TTT on teacher-forced task data, one `draft_update` per batch; the policy is frozen (no grad).
+
+    Gradients are clipped at 1.0, a constant rather than `draft.grad_clip`, so that the cached
+    warm-up does not depend on a key its cache is not keyed on.
+    """
     rng = random.Random(f"draft-warmup:{seed}")
     opt = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0)
-    aux_ids = draft.cfg.aux_layer_ids
     losses = []
     bar = tqdm(range(steps), desc="draft warm-up", disable=not progress, dynamic_ncols=True)
     for _ in bar:
         batch = examples_to_batch(source.sample(batch_size, rng), tokenizer)
         with torch.no_grad():
-            out = policy(batch.input_ids, batch.position_ids, batch.cu_seqlens, capture_layers=aux_ids)
-        logits = draft(out.embeds, out.aux_hidden, batch.position_ids, batch.cu_seqlens, ttt_steps,
-                       ops=policy.attention_ops)
-        loss, metrics = ttt_loss(logits, out.logits, batch.response_mask, batch.cu_seqlens, draft.t2d, pass_decay)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", top1=f"{metrics.accuracy[0].item():.2f}")
+            out = policy(batch.input_ids, batch.position_ids, batch.cu_seqlens, tap_layers=draft.cfg.tap_layers)
+        taps = draft_inputs_from(out, batch, policy.attention_ops, None, ttt_valid_tokens(batch))
+        update = draft_update(draft, opt, [taps], ttt_passes=ttt_passes, pass_decay=pass_decay, grad_clip=1.0)
+        losses.append(update.loss)
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", top1=f"{update.metrics.accuracy[0].item():.2f}")
     return losses
 
 
@@ -191,7 +191,7 @@ def draft_cache_key(config) -> dict:
     change the warm-up, so runs that differ only in them share it.
     """
     draft_settings = {k: v for k, v in asdict(config.draft).items()
-                      if k in ("aux_layer_ids", "lr", "warmup_steps", "ttt_steps", "pass_decay")}
+                      if k in ("tap_layers", "lr", "warmup_steps", "ttt_passes", "pass_decay")}
     return {"draft": draft_settings, "policy": asdict(config.policy), "sft": asdict(config.sft),
             "task": asdict(config.task), "seed": config.trainer.seed}
 
@@ -206,7 +206,7 @@ def build_and_warm_up_draft(config, policy: LlamaForCausalLM, source, tokenizer,
     losses = []
     if d.warmup_steps > 0:
         losses = warm_up_draft(draft, policy, source, tokenizer, d.warmup_steps, config.sft.batch_size, d.lr,
-                               d.ttt_steps, d.pass_decay, config.trainer.seed, config.trainer.progress_bar)
+                               d.ttt_passes, d.pass_decay, config.trainer.seed, config.trainer.progress_bar)
     with writing_cache(cache) as scratch:
         export_draft(draft, scratch, policy.cfg)
         (scratch / CACHE_META).write_text(json.dumps({"settings": key, "final_loss": losses[-1] if losses else None},

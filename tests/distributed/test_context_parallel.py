@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from spectrain.callbacks.draft_cotraining import draft_loss
+from spectrain.train.draft_update import draft_loss
 from spectrain.parallel.spawn import run_distributed
 from spectrain.config import ConfigError, load_config
 from spectrain.models.eagle3 import Eagle3Config, Eagle3Draft, build_vocab_mapping
@@ -45,7 +45,7 @@ class _Models(nn.Module):
         super().__init__()
         torch.manual_seed(seed)
         self.policy = LlamaForCausalLM(LlamaConfig(**POLICY)).double()
-        self.draft = Eagle3Draft(Eagle3Config.from_policy(self.policy.cfg, aux_layer_ids=CAPTURE,
+        self.draft = Eagle3Draft(Eagle3Config.from_policy(self.policy.cfg, tap_layers=CAPTURE,
                                                           draft_vocab_size=24)).double()
         with torch.no_grad():  # O(1) weights, so every term of the losses matters
             for p in self.parameters():
@@ -83,7 +83,7 @@ def _step(plan, models, batch, reduce):
                                           lambda loss: loss.backward())
     plan.reduce_gradients(models.policy)
     models.draft_inputs = result.draft_inputs
-    loss, metrics = draft_loss(models, TTT_STEPS, PASS_DECAY)
+    loss, metrics = draft_loss(models.draft, models.draft_inputs, TTT_STEPS, PASS_DECAY)
     loss.backward()
     plan.reduce_gradients(models.draft)
     return dict(

@@ -15,7 +15,7 @@ from spectrain.models.llama import LlamaConfig, LlamaForCausalLM, pack_sequences
 from spectrain.parallel.pp.stages import (
     EMBEDS_TAP,
     PipelineRunner,
-    aux_tap_name,
+    layer_tap_name,
     local_stage_indices,
     make_tap_channel,
     plan_microbatches,
@@ -65,21 +65,21 @@ def _loss(out, mb, draft, n_tokens: int, record: list):
     m = mb.response_mask
     loss = F.cross_entropy(out.logits[m], mb.targets[m], reduction="sum") / n_tokens
     if draft is not None:
-        feats = torch.cat([out.embeds, *out.aux_hidden], dim=-1)
+        feats = torch.cat([out.embeds, *out.tap_hidden], dim=-1)
         loss = loss + F.cross_entropy(draft(feats)[m], mb.targets[m], reduction="sum") / n_tokens
-        record.append((out.embeds, out.aux_hidden))  # kept as they are, like the draft's inputs
+        record.append((out.embeds, out.tap_hidden))  # kept as they are, like the draft's inputs
     return loss
 
 
 def _reference():
     """Single-process loss, grads and per-document taps."""
     model, draft, batch = _policy(), _draft_head(), _batch()
-    out = model(batch.input_ids, batch.position_ids, batch.cu_seqlens, capture_layers=CAPTURE)
-    out.embeds, out.aux_hidden = out.embeds.detach(), [a.detach() for a in out.aux_hidden]
+    out = model(batch.input_ids, batch.position_ids, batch.cu_seqlens, tap_layers=CAPTURE)
+    out.embeds, out.tap_hidden = out.embeds.detach(), [a.detach() for a in out.tap_hidden]
     loss = _loss(out, batch, draft, batch.num_response_tokens, [])
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    return loss.detach(), grads, draft.weight.grad.clone(), out.embeds, out.aux_hidden
+    return loss.detach(), grads, draft.weight.grad.clone(), out.embeds, out.tap_hidden
 
 
 # ------------------------------------------------------------------ fast, single process
@@ -91,19 +91,19 @@ def test_stage_split_keeps_hf_names_and_matches_model():
     assert "model.embed_tokens.weight" in names[0] and "model.layers.1.mlp.up_proj.weight" in names[0]
     assert "lm_head.weight" in names[1] and "model.norm.weight" in names[1]
     assert names[0] | names[1] == set(model.state_dict()) and not names[0] & names[1]
-    assert stages[0].tap_names == (EMBEDS_TAP, aux_tap_name(1))
-    assert stages[1].tap_names == (aux_tap_name(2), aux_tap_name(3))
+    assert stages[0].tap_names == (EMBEDS_TAP, layer_tap_name(1))
+    assert stages[1].tap_names == (layer_tap_name(2), layer_tap_name(3))
     batch = _batch()
     taps = {}
     for s in stages:
         s.tap_sink = lambda mb, name, t: taps.__setitem__(name, t)
     h = stages[0](batch.input_ids, batch.position_ids, batch.cu_seqlens, torch.tensor([0]))
     logits, _ = stages[1](h, batch.position_ids, batch.cu_seqlens, torch.tensor([0]))
-    ref = model(batch.input_ids, batch.position_ids, batch.cu_seqlens, capture_layers=CAPTURE)
+    ref = model(batch.input_ids, batch.position_ids, batch.cu_seqlens, tap_layers=CAPTURE)
     torch.testing.assert_close(logits, ref.logits, rtol=0, atol=0)
     torch.testing.assert_close(taps[EMBEDS_TAP], ref.embeds, rtol=0, atol=0)
-    for layer, aux in zip(CAPTURE, ref.aux_hidden):
-        torch.testing.assert_close(taps[aux_tap_name(layer)], aux, rtol=0, atol=0)
+    for layer, aux in zip(CAPTURE, ref.tap_hidden):
+        torch.testing.assert_close(taps[layer_tap_name(layer)], aux, rtol=0, atol=0)
 
 
 def test_tap_plan_dedups_and_orders():
@@ -116,8 +116,8 @@ def test_split_errors_name_the_fix():
     model = _policy()
     with pytest.raises(ValueError, match="cannot split 4 decoder layers into 5 pipeline stages"):
         split_policy(model, 5, 0)
-    with pytest.raises(ValueError, match=r"aux layer ids \[4, 7\] do not exist.*aux_layer_ids"):
-        split_policy(model, 2, 1, capture_layers=(1, 4, 7))
+    with pytest.raises(ValueError, match=r"aux layer ids \[4, 7\] do not exist.*tap_layers"):
+        split_policy(model, 2, 1, tap_layers=(1, 4, 7))
     with pytest.raises(ValueError, match="out of range"):
         split_policy(model, 2, 2)
     tied = LlamaForCausalLM(LlamaConfig(**CFG, tie_word_embeddings=True))
@@ -153,7 +153,7 @@ def one_process_group():
 def test_local_tap_is_owned_by_the_channel(one_process_group):
     """A tap the last stage posts itself (its input: pipelining's receive buffer, refilled by the next
     `schedule.step()`) must come out of `wait` as it was posted, whatever later writes the buffer."""
-    name = aux_tap_name(2)
+    name = layer_tap_name(2)
     channel = TapChannel(one_process_group, {1: (name,)}, 1, hidden_size=4, capacity_tokens=3, dtype=torch.float64)
     assert channel.is_destination and channel.stage_rank(1) == channel.rank  # posted locally, not sent
     stage_input = torch.arange(12, dtype=torch.float64).reshape(3, 4)

@@ -38,7 +38,7 @@ class _Models(nn.Module):
         super().__init__()
         torch.manual_seed(seed)
         self.policy = LlamaForCausalLM(LlamaConfig(**POLICY)).double()
-        self.draft = Eagle3Draft(Eagle3Config.from_policy(self.policy.cfg, aux_layer_ids=CAPTURE,
+        self.draft = Eagle3Draft(Eagle3Config.from_policy(self.policy.cfg, tap_layers=CAPTURE,
                                                           draft_vocab_size=24)).double()
         with torch.no_grad():  # O(1) weights, so every term of the losses matters
             for p in self.parameters():
@@ -85,10 +85,10 @@ def _step(plan, models, batch):
     out["grad_norm"] = plan.clip_grad_norm(models.policy, MAX_NORM)
     out["clipped_grads"] = _grads(models.policy)
     if plan.hosts_draft:
-        from spectrain.callbacks.draft_cotraining import draft_loss  # imports lightning: only where the draft is
+        from spectrain.train.draft_update import draft_loss  # imports lightning: only where the draft is
 
         models.draft_inputs = result.draft_inputs
-        loss, metrics = draft_loss(models, TTT_STEPS, PASS_DECAY)
+        loss, metrics = draft_loss(models.draft, models.draft_inputs, TTT_STEPS, PASS_DECAY)
         loss.backward()
         plan.reduce_gradients(models.draft)
         out.update(draft_loss=loss.detach(), draft_grads=_grads(models.draft),
@@ -204,7 +204,7 @@ def test_concat_batches_undoes_select():
     (["parallel.pp=3", "parallel.pp_schedule=Interleaved1F1B"], r"6 pipeline stages \(Interleaved1F1B runs 2"),
     (["parallel.pp=2", "parallel.microbatches=1"], r"1F1B needs at least one microbatch per stage \(2\), got 1"),
     (["parallel.pp=2", "parallel.pp_schedule=ZeroBubble"], r"parallel.pp_schedule: 'ZeroBubble' is not one of"),
-    (["parallel.pp=2", "draft.aux_layer_ids=[1,2,7]"], r"draft.aux_layer_ids: \[1, 2, 7\] must be 3 layer ids"),
+    (["parallel.pp=2", "draft.tap_layers=[1,2,7]"], r"draft.tap_layers: \[1, 2, 7\] must be 3 layer ids"),
     (["parallel.pp=2", "policy.tie_word_embeddings=true"], r"policy.tie_word_embeddings: .* set it false"),
     (["parallel.pp=2", "parallel.dp=2", "parallel.microbatches=8", "rollout.prompts_per_step=1"],
      r"parallel.microbatches: each of parallel.dp=2 ranks"),

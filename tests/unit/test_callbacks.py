@@ -26,8 +26,10 @@ class Module(SimpleNamespace):
     def manual_backward(self, loss):
         loss.backward()
 
-    def optimizers(self):
-        return [None, SimpleNamespace(optimizer=self.draft_opt)]
+    def draft_optimizer(self):
+        return self.draft_opt
+
+    teacher_dtype = torch.float32
 
 
 def module_with_draft_inputs():
@@ -37,7 +39,7 @@ def module_with_draft_inputs():
     draft = Eagle3Draft(Eagle3Config.from_policy(policy.cfg))
     batch = build_rollout_batch([Completion(0, [1, 5, 6], [7, 8, 9, 2], [0.0] * 4, True),
                                  Completion(0, [1, 4], [3, 3, 2], [0.0] * 3, True)], torch.tensor([1.0, -1.0]))
-    out = policy(batch.input_ids, batch.position_ids, batch.cu_seqlens, capture_layers=draft.cfg.aux_layer_ids)
+    out = policy(batch.input_ids, batch.position_ids, batch.cu_seqlens, tap_layers=draft.cfg.tap_layers)
     inputs = [draft_inputs_from(out, batch, policy.attention_ops, None, ttt_valid_tokens(batch))]
     return Module(draft=draft, draft_inputs=inputs, plan=LocalPlan(), logged={},
                   draft_opt=torch.optim.SGD(draft.parameters(), lr=0.1))
@@ -46,7 +48,7 @@ def module_with_draft_inputs():
 def test_draft_cotraining_steps_the_draft():
     module = module_with_draft_inputs()
     before = [p.detach().clone() for p in module.draft.parameters()]
-    DraftCoTraining(ttt_steps=2).on_train_batch_end(trainer_at(1), module, None, None, 0)
+    DraftCoTraining(ttt_passes=2).on_train_batch_end(trainer_at(1), module, None, None, 0)
     assert any(not torch.equal(a, b) for a, b in zip(before, module.draft.parameters()))
     assert module.logged["draft/skipped_steps"] == 0 and "draft/pass_2_top1" in module.logged
 
@@ -55,7 +57,7 @@ def test_nan_guard_skips_the_draft_step():
     module = module_with_draft_inputs()
     module.draft_inputs[0].teacher_logits.fill_(float("nan"))
     before = [p.detach().clone() for p in module.draft.parameters()]
-    callback = DraftCoTraining(ttt_steps=2)
+    callback = DraftCoTraining(ttt_passes=2)
     callback.on_train_batch_end(trainer_at(1), module, None, None, 0)
     assert all(torch.equal(a, b) for a, b in zip(before, module.draft.parameters()))
     assert callback.steps_skipped == 1 and module.logged["draft/skipped_steps"] == 1
@@ -64,7 +66,7 @@ def test_nan_guard_skips_the_draft_step():
 
 def test_every_n_steps():
     module = module_with_draft_inputs()
-    callback = DraftCoTraining(every_n_steps=2, ttt_steps=1)
+    callback = DraftCoTraining(every_n_steps=2, ttt_passes=1)
     losses = []
     for step in (1, 2, 3):
         callback.on_train_batch_end(trainer_at(step), module, None, None, 0)

@@ -36,7 +36,7 @@ def test_packaged_parent_by_name(tmp_path):
     (["draft.mode=sometimes"], "draft.mode"),
     (["parallel.pp=9"], "parallel.pp"),
     (["parallel.pp_schedule=ZeroBubble"], "parallel.pp_schedule"),
-    (["draft.aux_layer_ids=[0,1,7]"], "draft.aux_layer_ids"),
+    (["draft.tap_layers=[0,1,7]"], "draft.tap_layers"),
     (["task.name=jsonl"], "task.path"),
     (["trainer.max_steps"], "key=value"),
     (["grpo.kl_beta=0.1", "parallel.cp=2"], "grpo.kl_beta"),

@@ -78,15 +78,15 @@ def test_parameter_names_and_shapes_match_vllm_checkpoint():
 
 def test_config_aux_ids_and_validation():
     four = LlamaConfig(**POLICY)
-    assert Eagle3Config.from_policy(four).aux_layer_ids == (1, 2, 3)  # vLLM's (2, 2, 1) collides
+    assert Eagle3Config.from_policy(four).tap_layers == (1, 2, 3)  # vLLM's (2, 2, 1) collides
     deep = LlamaConfig(**{**POLICY, "num_hidden_layers": 32})
-    assert Eagle3Config.from_policy(deep).aux_layer_ids == (2, 16, 29)
+    assert Eagle3Config.from_policy(deep).tap_layers == (2, 16, 29)
     # vLLM concatenates the aux states in layer order, whatever order the config lists
-    assert Eagle3Config.from_policy(four, aux_layer_ids=(3, 0, 2)).aux_layer_ids == (0, 2, 3)
+    assert Eagle3Config.from_policy(four, tap_layers=(3, 0, 2)).tap_layers == (0, 2, 3)
     with pytest.raises(ValueError, match="distinct"):
-        Eagle3Config.from_policy(four, aux_layer_ids=(2, 2, 1))
+        Eagle3Config.from_policy(four, tap_layers=(2, 2, 1))
     with pytest.raises(ValueError, match="0..3"):
-        Eagle3Config.from_policy(four, aux_layer_ids=(1, 2, 4))
+        Eagle3Config.from_policy(four, tap_layers=(1, 2, 4))
     with pytest.raises(ValueError, match="shares the policy's embeddings"):
         Eagle3Config(**{**Eagle3Config.from_policy(four).__dict__, "hidden_size": 64})
 
@@ -279,7 +279,7 @@ def _measure(engine, prompts):
 def _taps(policy, seqs, aux_ids):
     ids, pos, cu = pack_sequences(seqs)
     with torch.no_grad():
-        return policy(ids, pos, cu, capture_layers=aux_ids), pos, cu
+        return policy(ids, pos, cu, tap_layers=aux_ids), pos, cu
 
 
 @pytest.fixture(scope="module")
@@ -296,7 +296,7 @@ def world(tmp_path_factory):
     save_pretrained(policy, root / "policy")
     save_tokenizer(root / "policy")
     # listed out of order on purpose: vLLM feeds fc in layer order
-    draft = Eagle3Draft(Eagle3Config.from_policy(policy.cfg, aux_layer_ids=(3, 1, 2)))
+    draft = Eagle3Draft(Eagle3Config.from_policy(policy.cfg, tap_layers=(3, 1, 2)))
     export_draft(draft, root / "draft", policy.cfg)
     g = torch.Generator().manual_seed(1)
     prompts = [[1] + torch.randint(4, 80, (int(n),), generator=g).tolist()
@@ -330,14 +330,14 @@ def spec_engine(world, reference):
 def trained_draft(world, reference):
     """The draft co-trained on the fixed policy's own greedy rollouts (TTT, K passes)."""
     seqs = [p + o[:MAX_TOKENS] for p, o in zip(world.prompts, reference)]
-    out, pos, cu = _taps(world.policy, seqs, world.draft.cfg.aux_layer_ids)
+    out, pos, cu = _taps(world.policy, seqs, world.draft.cfg.tap_layers)
     response = torch.zeros(pos.shape[0])
     for start, prompt in zip(cu[:-1].tolist(), world.prompts):
         response[start + len(prompt) - 1:start + len(prompt) + MAX_TOKENS - 1] = 1
     draft = load_draft(world.draft_dir)
     opt = torch.optim.AdamW(draft.parameters(), lr=1e-2, weight_decay=0.0)
     for _ in range(30):
-        loss, metrics = ttt_loss(draft(out.embeds, out.aux_hidden, pos, cu, K), out.logits, response, cu, draft.t2d)
+        loss, metrics = ttt_loss(draft(out.embeds, out.tap_hidden, pos, cu, K), out.logits, response, cu, draft.t2d)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -380,9 +380,9 @@ def _replay_counters(policy, draft, prompts, continuations):
     round from anchor a accepts the longest prefix of passes whose top-1 is the next token.
     """
     seqs = [p + c for p, c in zip(prompts, continuations)]
-    out, pos, cu = _taps(policy, seqs, draft.cfg.aux_layer_ids)
+    out, pos, cu = _taps(policy, seqs, draft.cfg.tap_layers)
     with torch.no_grad():
-        logits = draft(out.embeds, out.aux_hidden, pos, cu, K)
+        logits = draft(out.embeds, out.tap_hidden, pos, cu, K)
     used = torch.nonzero(draft.t2d).flatten()
     top1 = torch.stack([used[lg.argmax(-1)] for lg in logits]).tolist()  # [K, T] target ids
     drafts = accepted = 0

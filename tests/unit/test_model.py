@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from spectrain.models.hf_io import load_pretrained, save_pretrained
-from spectrain.models.llama import LlamaConfig, LlamaForCausalLM, default_aux_layer_ids, pack_sequences
+from spectrain.models.llama import LlamaConfig, LlamaForCausalLM, default_tap_layers, pack_sequences
 
 CFG = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
            num_attention_heads=4, num_key_value_heads=2)
@@ -28,23 +28,23 @@ def test_packed_equals_separate(model):
 
 def test_taps_are_residual_entering_layers(model):
     ids, pos, cu = pack_sequences([[1, 5, 9, 3, 4]])
-    out = model(ids, pos, cu, capture_layers=(0, 2))
-    assert torch.equal(out.aux_hidden[0], out.embeds)
+    out = model(ids, pos, cu, tap_layers=(0, 2))
+    assert torch.equal(out.tap_hidden[0], out.embeds)
     x = out.embeds
     cos_sin = __import__("spectrain.models.llama", fromlist=["rope_cos_sin"]).rope_cos_sin(
         pos, model.cfg.head_dim, model.cfg.rope_theta, x.dtype)
     for i in range(2):
         x = model.model.layers[str(i)](x, *cos_sin, cu, model.attention_ops)
-    assert torch.allclose(out.aux_hidden[1], x, atol=1e-12)
+    assert torch.allclose(out.tap_hidden[1], x, atol=1e-12)
 
 
 def test_capture_of_missing_layer_is_a_clear_error(model):
     with pytest.raises(ValueError, match="aux layer ids \\[9\\]"):
-        model(*pack_sequences([[1, 2]]), capture_layers=(9,))
+        model(*pack_sequences([[1, 2]]), tap_layers=(9,))
 
 
 def test_default_aux_ids_match_vllm():
-    assert default_aux_layer_ids(32) == (2, 16, 29)
+    assert default_tap_layers(32) == (2, 16, 29)
 
 
 def test_save_load_round_trip(model, tmp_path):

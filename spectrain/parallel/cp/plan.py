@@ -120,18 +120,18 @@ class ContextParallelPlan:
                                     max_seqlen=policy.cfg.max_position_embeddings)
         return shard_batch(part, layout, policy.cfg.pad_token_id), layout
 
-    def policy_forward_backward(self, policy, batch, loss_fn, capture_layers, backward) -> PolicyStepResult:
+    def policy_forward_backward(self, policy, batch, loss_fn, tap_layers, backward) -> PolicyStepResult:
         local, layout = self.shard(batch, policy)
         ops = ZigzagRingAttentionOps(self.cp_group, local_ops=policy.attention_ops)
         local_ops, policy.attention_ops = policy.attention_ops, ops  # autograd keeps `ops` for the backward
         try:
-            out = policy(local.input_ids, local.position_ids, local.cu_seqlens, capture_layers=capture_layers)
+            out = policy(local.input_ids, local.position_ids, local.cu_seqlens, tap_layers=tap_layers)
         finally:
             policy.attention_ops = local_ops
         loss, logprobs = loss_fn(out.logits, local)
         backward(loss)
         inputs = [draft_inputs_from(out, local, ops, zigzag_shift_fn(layout, self.cp_group), ttt_valid_tokens(batch))
-                  ] if capture_layers else []
+                  ] if tap_layers else []
         step_loss = loss.detach().clone()  # the shares add up to the step's loss: log that, not rank 0's share
         dist.all_reduce(step_loss, group=self.replica_group)
         return PolicyStepResult(step_loss, logprobs.detach(), local, inputs)

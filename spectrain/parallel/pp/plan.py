@@ -206,18 +206,18 @@ class PipelinePlan:
     def _local_stage_indices(self) -> list[int]:
         return local_stage_indices(self.pp_rank, self.pp_size, self.stages_per_rank)
 
-    def _runner(self, policy: LlamaForCausalLM, capture_layers: tuple[int, ...], budget: int) -> PipelineRunner:
+    def _runner(self, policy: LlamaForCausalLM, tap_layers: tuple[int, ...], budget: int) -> PipelineRunner:
         """The runner of this budget; fresh stages each, since a runner points its stages' taps at its channel."""
         if policy is not self._policy:
             self._policy, self._runners = policy, {}
-        key = (capture_layers, budget)
+        key = (tap_layers, budget)
         if key not in self._runners:
-            stages = [split_policy(policy, self.num_stages, s, capture_layers) for s in self._local_stage_indices()]
+            stages = [split_policy(policy, self.num_stages, s, tap_layers) for s in self._local_stage_indices()]
             if self.cp_size > 1:
                 for s in stages:
                     s.attention_ops = ZigzagRingAttentionOps(self.cp_group, local_ops=policy.attention_ops)
             channel = (make_tap_channel(stages[0], self.tap_group, budget, self.tap_transport)
-                       if capture_layers else None)
+                       if tap_layers else None)
             self._runners[key] = PipelineRunner(stages, self.schedule_name, self.n_microbatches, budget,
                                                 self._microbatch_loss, self.pp_group, channel)
         return self._runners[key]
@@ -227,7 +227,7 @@ class PipelinePlan:
         self._outputs.append((out, mb, logprobs.detach()))
         return loss
 
-    def policy_forward_backward(self, policy, batch, loss_fn, capture_layers, backward) -> PolicyStepResult:
+    def policy_forward_backward(self, policy, batch, loss_fn, tap_layers, backward) -> PolicyStepResult:
         """The pipelined forward and backward of this rank's part of `batch`.
 
         `backward` is not used: the schedule runs each microbatch's backward itself (so
@@ -235,7 +235,7 @@ class PipelinePlan:
         """
         part = batch.select(dp_documents(batch.num_docs, self.dp_size, self.dp_rank))
         docs = part if self.cp_size == 1 else ZigzagDocs(part, self.cp_size, self.cp_rank, policy.cfg)
-        runner = self._runner(policy, tuple(capture_layers), microbatch_budget(docs.cu_seqlens, self.n_microbatches))
+        runner = self._runner(policy, tuple(tap_layers), microbatch_budget(docs.cu_seqlens, self.n_microbatches))
         self._loss_fn, self._outputs = loss_fn, []
         try:
             losses = runner.step(docs)
@@ -247,7 +247,7 @@ class PipelinePlan:
         step_loss = torch.stack(losses).sum().double() if losses else torch.zeros((), dtype=torch.float64)
         dist.all_reduce(step_loss)
         inputs = []
-        if capture_layers:
+        if tap_layers:
             ops, num_valid = runner.stages[-1].attention_ops, ttt_valid_tokens(batch)
             for out, mb, _ in outputs:
                 shift_fn = None if self.cp_size == 1 else zigzag_shift_fn(docs.layouts[id(mb)], self.cp_group)

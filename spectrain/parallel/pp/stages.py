@@ -47,7 +47,7 @@ SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": Sc
 _MULTI_STAGE = {"Interleaved1F1B"}
 
 
-def aux_tap_name(layer_id: int) -> str:
+def layer_tap_name(layer_id: int) -> str:
     """Name of the tap carrying the residual stream entering decoder layer `layer_id`."""
     return f"layers.{layer_id}"
 
@@ -65,24 +65,24 @@ def stage_layer_ids(num_layers: int, num_stages: int, stage_index: int) -> range
     return range(start, start + base + (stage_index < extra))
 
 
-def _check_capture_layers(num_layers: int, capture_layers: Sequence[int]) -> None:
-    missing = sorted({int(i) for i in capture_layers if not 0 <= int(i) < num_layers})
+def _check_capture_layers(num_layers: int, tap_layers: Sequence[int]) -> None:
+    missing = sorted({int(i) for i in tap_layers if not 0 <= int(i) < num_layers})
     if missing:
         raise ValueError(
             f"aux layer ids {missing} do not exist: the policy has layers 0..{num_layers - 1}; "
-            f"fix draft.aux_layer_ids")
+            f"fix draft.tap_layers")
 
 
 def tap_names_by_stage(
-    num_layers: int, num_stages: int, capture_layers: Sequence[int]
+    num_layers: int, num_stages: int, tap_layers: Sequence[int]
 ) -> dict[int, tuple[str, ...]]:
     """Stage index -> taps it produces, in production order (empty when nothing is captured)."""
-    _check_capture_layers(num_layers, capture_layers)
-    wanted = sorted({int(i) for i in capture_layers})
+    _check_capture_layers(num_layers, tap_layers)
+    wanted = sorted({int(i) for i in tap_layers})
     plan: dict[int, tuple[str, ...]] = {}
     for s in range(num_stages):
         layers = stage_layer_ids(num_layers, num_stages, s)
-        names = [aux_tap_name(i) for i in wanted if i in layers]
+        names = [layer_tap_name(i) for i in wanted if i in layers]
         if s == 0 and wanted:
             names.insert(0, EMBEDS_TAP)
         plan[s] = tuple(names)
@@ -100,15 +100,15 @@ class PolicyStage(nn.Module):
     """
 
     def __init__(self, policy: LlamaForCausalLM, num_stages: int, stage_index: int,
-                 capture_layers: Sequence[int] = ()) -> None:
+                 tap_layers: Sequence[int] = ()) -> None:
         super().__init__()
         cfg = policy.cfg
         self.cfg = cfg
         self.stage_index, self.num_stages = stage_index, num_stages
         self.layer_ids = stage_layer_ids(cfg.num_hidden_layers, num_stages, stage_index)
-        self.capture_layers = tuple(int(i) for i in capture_layers)
-        self.tap_names = tap_names_by_stage(cfg.num_hidden_layers, num_stages, capture_layers)[stage_index]
-        self._tapped_layers = {i for i in self.capture_layers if i in self.layer_ids}
+        self.tap_layers = tuple(int(i) for i in tap_layers)
+        self.tap_names = tap_names_by_stage(cfg.num_hidden_layers, num_stages, tap_layers)[stage_index]
+        self._tapped_layers = {i for i in self.tap_layers if i in self.layer_ids}
         if cfg.tie_word_embeddings and num_stages > 1:
             raise ValueError(
                 "tie_word_embeddings=True puts lm_head.weight on stage 0 and on the last stage; untie "
@@ -158,7 +158,7 @@ class PolicyStage(nn.Module):
         cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
         for idx, layer in self.model.layers.items():
             if int(idx) in self._tapped_layers:
-                self._tap(mb, aux_tap_name(int(idx)), x)
+                self._tap(mb, layer_tap_name(int(idx)), x)
             x = layer(x, cos, sin, cu_seqlens, self.attention_ops)
         if not self.is_last:
             return x
@@ -167,14 +167,14 @@ class PolicyStage(nn.Module):
 
 
 def split_policy(model: LlamaForCausalLM, num_stages: int, stage_index: int,
-                 capture_layers: Sequence[int] = ()) -> PolicyStage:
+                 tap_layers: Sequence[int] = ()) -> PolicyStage:
     """Stage `stage_index` of `num_stages` (= pp_size x stages per rank) of `model`.
 
     Parameters are shared with `model`, not copied; drop `model` to free the other layers.
-    `capture_layers` are the draft's aux layer ids: the stage taps the ones it owns (and
+    `tap_layers` are the draft's aux layer ids: the stage taps the ones it owns (and
     the embedding output on stage 0).
     """
-    return PolicyStage(model, num_stages, stage_index, capture_layers)
+    return PolicyStage(model, num_stages, stage_index, tap_layers)
 
 
 def local_stage_indices(pp_rank: int, pp_size: int, stages_per_rank: int = 1) -> list[int]:
@@ -265,7 +265,7 @@ def make_tap_channel(stage: PolicyStage, tap_group: dist.ProcessGroup, tokens_pe
                      transport: type[TapChannel] = TapChannel, ring_size: int = 2) -> TapChannel:
     """The TapChannel (or baseline transport) matching `stage`'s split and capture layers."""
     cfg, param = stage.cfg, next(stage.parameters())
-    plan = tap_names_by_stage(cfg.num_hidden_layers, stage.num_stages, stage.capture_layers)
+    plan = tap_names_by_stage(cfg.num_hidden_layers, stage.num_stages, stage.tap_layers)
     return transport(tap_group, plan, stage.num_stages - 1, hidden_size=cfg.hidden_size,
                      capacity_tokens=tokens_per_microbatch, dtype=param.dtype, device=param.device,
                      ring_size=ring_size)
@@ -281,7 +281,7 @@ class PipelineRunner:
     runs the schedule, and accumulates gradients into the stages' parameters (and into
     whatever `loss_fn` touches, e.g. the draft). On the last stage `loss_fn(out, mb)` gets
     `out: CausalLMOutput` (logits and hidden of `mb`'s real tokens; `embeds` and
-    `aux_hidden` in `capture_layers` order, detached, from the TapChannel) and
+    `tap_hidden` in `tap_layers` order, detached, from the TapChannel) and
     `mb = batch.select(docs)`; it returns the microbatch's share of the step loss (see the
     module docstring). `step` returns the per-microbatch losses on the rank holding the last
     stage and None elsewhere.
@@ -319,12 +319,12 @@ class PipelineRunner:
         pp_rank = dist.get_rank(pp_group)
         indices, expected = [s.stage_index for s in stages], local_stage_indices(pp_rank, pp_size, per_rank)
         assert indices == expected, f"pp rank {pp_rank} must hold stages {expected}, got {indices}"
-        capture_layers = stages[0].capture_layers
-        if bool(capture_layers) != (tap_channel is not None):
+        tap_layers = stages[0].tap_layers
+        if bool(tap_layers) != (tap_channel is not None):
             raise ValueError(f"pass a TapChannel exactly when the stages capture aux layers "
-                             f"(capture_layers={capture_layers}, tap_channel={tap_channel})")
+                             f"(tap_layers={tap_layers}, tap_channel={tap_channel})")
         if tap_channel is not None:
-            plan = tap_names_by_stage(stages[0].cfg.num_hidden_layers, num_stages, capture_layers)
+            plan = tap_names_by_stage(stages[0].cfg.num_hidden_layers, num_stages, tap_layers)
             assert {s: n for s, n in plan.items() if n} == tap_channel.src_stages, (
                 f"tap channel carries {tap_channel.src_stages}, the stages produce {plan}")
             assert tap_channel.dst_stage == num_stages - 1, "taps go to the last stage"
@@ -335,7 +335,7 @@ class PipelineRunner:
         self.stages, self.pp_group, self.pp_size = stages, pp_group, pp_size
         self.n_microbatches, self.tokens_per_microbatch = n_microbatches, tokens_per_microbatch
         self.loss_fn, self.tap_channel = loss_fn, tap_channel
-        self.capture_layers = capture_layers
+        self.tap_layers = tap_layers
         self.has_first = stages[0].is_first
         self.has_last = stages[-1].is_last
         self._microbatches: list[Any] = []
@@ -368,7 +368,7 @@ class PipelineRunner:
         if self.tap_channel is not None:
             taps = self.tap_channel.wait(mb_id)
             embeds = taps[EMBEDS_TAP][:n]
-            aux = [taps[aux_tap_name(i)][:n] for i in self.capture_layers]
+            aux = [taps[layer_tap_name(i)][:n] for i in self.tap_layers]
         loss = self.loss_fn(CausalLMOutput(logits[:n], hidden[:n], embeds, aux), mb)
         assert loss.dim() == 0, f"loss_fn must return a scalar, got {tuple(loss.shape)}"
         return loss

@@ -13,7 +13,6 @@ the long-tail test, calibration). This module plugs it into the step loop
 """
 from __future__ import annotations
 
-import math
 import os
 import platform
 import statistics
@@ -159,27 +158,6 @@ class LongTailTrainer:
         self.seconds += time.perf_counter() - started
         self.steps += 1
         return True
-
-
-def spot_draft_step(module, ttt_steps: int, pass_decay: float, grad_clip: float) -> bool:
-    """One draft step on the previous policy step's taps (`module.draft_inputs`).
-
-    Same loss and optimizer as `DraftCoTraining`; returns False (and leaves the draft
-    untouched) on a non-finite loss or gradient norm.
-    """
-    from spectrain.callbacks.draft_cotraining import draft_loss
-
-    loss, _ = draft_loss(module, ttt_steps, pass_decay)
-    optimizer = module.optimizers()[1].optimizer  # raw torch optimizer: global_step must not move
-    optimizer.zero_grad(set_to_none=True)
-    if not math.isfinite(loss.item()):
-        return False
-    module.manual_backward(loss)
-    if not math.isfinite(torch.nn.utils.clip_grad_norm_(module.draft.parameters(), grad_clip).item()):
-        optimizer.zero_grad(set_to_none=True)
-        return False
-    optimizer.step()
-    return True
 
 
 # ---------------------------------------------------------------------- from a config

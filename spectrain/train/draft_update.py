@@ -1,0 +1,88 @@
+"""The one draft update: TTT unroll on the policy's taps, loss, backward, clip, optimizer step.
+
+Co-training (`DraftCoTraining`, once per GRPO step), spot training in the rollout's long tail,
+the offline warm-up and the benchmarks all call `draft_update`; they differ only in where the
+taps come from and in how ranks combine (`sum_over_ranks`, `reduce_gradients`).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from spectrain.models.eagle3 import Eagle3Draft, TTTMetrics, ttt_loss
+from spectrain.parallel.plan import DraftInputs
+
+
+@dataclass
+class DraftUpdate:
+    loss: float  # the update's TTT loss (summed over ranks: each holds its share)
+    metrics: TTTMetrics  # per-pass sums, summed over ranks
+    applied: bool  # False: skipped for a non-finite loss or gradient norm, the draft untouched
+
+
+def draft_loss(draft: Eagle3Draft, chunks: Sequence[DraftInputs], ttt_passes: int,
+               pass_decay: float) -> tuple[torch.Tensor, TTTMetrics]:
+    """TTT loss over the chunks one policy forward left (one, or one per PP microbatch).
+
+    Each chunk's loss is already divided by the global valid-token count, so the sum is the
+    update's loss; the chunk carries the attention ops and shift of its layout (ring +
+    boundary exchange under CP).
+    """
+    assert chunks, "no taps to train the draft on"
+    total, metrics = None, None
+    for chunk in chunks:
+        b = chunk.batch
+        logits = draft(chunk.embeds, chunk.tap_hidden, b.position_ids, b.cu_seqlens, ttt_passes,
+                       ops=chunk.attention_ops, shift_fn=chunk.shift_fn)
+        loss, m = ttt_loss(logits, chunk.teacher_logits, b.response_mask, b.cu_seqlens, draft.t2d, pass_decay,
+                           num_valid_tokens=chunk.num_valid_tokens, shift_fn=chunk.shift_fn)
+        total = loss if total is None else total + loss
+        metrics = m if metrics is None else TTTMetrics(metrics.loss_sum + m.loss_sum, metrics.correct + m.correct,
+                                                         metrics.count + m.count)
+    return total, metrics
+
+
+def _zero_share(ttt_passes: int, dtype: torch.dtype) -> tuple[torch.Tensor, TTTMetrics]:
+    """`draft_loss`'s result on a rank without the draft: zeros of the same dtypes (one dtype per collective)."""
+    zeros = torch.zeros(ttt_passes)
+    return torch.zeros((), dtype=dtype), TTTMetrics(zeros.to(dtype), zeros.clone(), zeros.clone())
+
+
+def _same_everywhere(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def draft_update(draft: Eagle3Draft, optimizer: torch.optim.Optimizer, chunks: Sequence[DraftInputs], *,
+                 ttt_passes: int, pass_decay: float, grad_clip: float,
+                 backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
+                 sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] = _same_everywhere,
+                 reduce_gradients: Callable[[torch.nn.Module], None] | None = None,
+                 share_dtype: torch.dtype = torch.float32) -> DraftUpdate:
+    """One optimizer step of the draft on `chunks` (the policy's detached taps and teacher logits).
+
+    A non-finite loss or gradient norm skips the step and leaves the draft and its optimizer
+    state untouched; the policy is never touched. Across ranks: each rank passes its own
+    chunks (none where the draft does not live, e.g. the first PP stages: they add zeros of
+    `share_dtype` so every rank runs the same collectives), `sum_over_ranks` adds the shares
+    so every rank takes the same skip decision, and `reduce_gradients` makes the gradients
+    the single-process ones before clipping.
+    """
+    hosts = bool(chunks)
+    loss, metrics = draft_loss(draft, chunks, ttt_passes, pass_decay) if hosts else _zero_share(ttt_passes, share_dtype)
+    total = sum_over_ranks(loss.detach().clone())
+    metrics = TTTMetrics(*(sum_over_ranks(t) for t in (metrics.loss_sum, metrics.correct, metrics.count)))
+    optimizer.zero_grad(set_to_none=True)
+    applied = math.isfinite(total.item())
+    if hosts and applied:
+        backward(loss)
+        if reduce_gradients is not None:
+            reduce_gradients(draft)
+        applied = math.isfinite(torch.nn.utils.clip_grad_norm_(draft.parameters(), grad_clip).item())
+    if not applied:
+        optimizer.zero_grad(set_to_none=True)
+    elif hosts:
+        optimizer.step()
+    return DraftUpdate(total.item(), metrics, applied)
