@@ -6,10 +6,8 @@ task, the models or the engine; extra callbacks come from the config
 """
 from __future__ import annotations
 
-import csv
 import importlib
 import importlib.util
-import json
 import math
 import random
 import time
@@ -18,24 +16,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
-from omegaconf import OmegaConf
-import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch.utils.data import DataLoader, IterableDataset
 
-from spectrain.config import SpecTrainConfig, describe_differences, to_yaml
-from spectrain.errors import ConfigError, RunDirError
+from spectrain.config import SpecTrainConfig
+from spectrain.errors import ConfigError
 from spectrain.models.hf_io import save_pretrained
 from spectrain.models.llama import LlamaConfig, LlamaForCausalLM
 from spectrain.train.module import GRPOModule
+from spectrain.train.run_dir import RunDir, drop_logged_steps
 from spectrain.parallel.mesh import world_size
 from spectrain.tasks.rewards import get_reward_fn
 from spectrain.rollout.engine import RolloutEngine
 from spectrain.train.warm_start import cached, policy_cache_key, warm_start_policy
 
-RUN_MARKER = "spectrain_run.json"
 
 
 class PromptStream(IterableDataset):
@@ -85,6 +81,7 @@ class SpecTrainer:
         self.config = config
         self.extra_callbacks = list(callbacks or [])
         self.run_dir = Path(config.trainer.run_dir)
+        self.run = RunDir(self.run_dir, config)
         self.warmstart_dir = Path(config.trainer.warmstart_dir or self.run_dir / "warmstart")
         self.engine: RolloutEngine | None = None
         self.warm_eval: dict[str, float] | None = None  # held-out rewards before GRPO
@@ -199,7 +196,7 @@ class SpecTrainer:
                                          enable_version_counter=False))
         # RunHistory last but one: its step time covers every other hook; StopOnSignal last: its checkpoint
         # holds every callback's state of the step
-        return callbacks + [RunHistory(), StopOnSignal(str(self.last_checkpoint))]
+        return callbacks + [RunHistory(), StopOnSignal(str(self.run.last_checkpoint))]
 
     def build_logger(self):
         t = self.config.trainer
@@ -228,9 +225,9 @@ class SpecTrainer:
                 self.strategy.connect(self.module)
             eval_examples = self.eval_examples()
             self.warm_eval = (self.evaluate(eval_examples) if resume_ckpt is None
-                              else self._on_rank_zero(self._recorded_warm_eval))
+                              else self._on_rank_zero(self.run.recorded_warm_eval))
             if self.is_rank_zero:
-                self._record({"warmstart_eval": self.warm_eval})
+                self.run.record({"warmstart_eval": self.warm_eval})
             self.trainer = self.build_lightning_trainer()
             if self.is_rank_zero:
                 drop_logged_steps(self.run_dir / "logs", start_step)
@@ -258,7 +255,7 @@ class SpecTrainer:
         result = FitResult(self.run_dir, self.warm_eval, final_eval, self.trainer.global_step,
                            time.perf_counter() - started, history)
         if self.is_rank_zero:
-            self._record({"result": result.summary()})
+            self.run.record({"result": result.summary()})
         return result
 
     def check_inputs(self) -> tuple[str | None, int]:
@@ -336,10 +333,6 @@ class SpecTrainer:
         policy, _ = warm_start_policy(self.config, self.build_policy(), self.source, self.tokenizer,
                                       self.warmstart_dir, progress=self.config.trainer.progress_bar)
         return policy, self.build_draft(policy)
-
-    @property
-    def last_checkpoint(self) -> Path:
-        return self.run_dir / "checkpoints" / "last.ckpt"
 
     @property
     def is_rank_zero(self) -> bool:
@@ -425,98 +418,19 @@ class SpecTrainer:
 
         return policy_dir, export_draft(draft, out_dir / "draft", policy.cfg)
 
-    # run directory ------------------------------------------------------------------------
+    # run directory (spectrain/train/run_dir.py) --------------------------------------------
     def check_run_dir(self) -> tuple[str | None, int]:
-        """Refuse a run directory we may not write into, reading only; the checkpoint to resume and its step.
-
-        A missing or empty directory starts a run. Anything else must be a spectrain run (its
-        marker) that `trainer.resume` lets us continue, started with the same config, whose
-        records and checkpoint can be read.
-        """
-        run_dir = self.run_dir
-        if run_dir.exists() and not run_dir.is_dir():
-            raise RunDirError(f"{run_dir} is a file, not a directory; choose another trainer.run_dir.")
-        if not run_dir.exists() or not any(run_dir.iterdir()):
-            return None, 0
-        if not (run_dir / RUN_MARKER).is_file():
-            raise RunDirError(f"{run_dir} exists and is not a spectrain run directory; refusing to write into it. "
-                              f"Choose another trainer.run_dir.")
-        if self.config.trainer.resume == "never":
-            raise RunDirError(f"{run_dir} already holds a run and trainer.resume=never; choose another "
-                              f"trainer.run_dir, or set trainer.resume=auto to continue it.")
-        record = self._read_record()
-        self._check_same_config()
-        last = self.last_checkpoint
-        if not last.is_file():
-            return None, 0
-        if "warmstart_eval" not in record:
-            raise RunDirError(f"{run_dir / RUN_MARKER} has no warm-start evaluation to resume {last} with; remove "
-                              f"{last} to restart the run from its warm start, or choose another trainer.run_dir.")
-        return str(last), _checkpoint_step(last)
+        """Refuse a run directory we may not write into, reading only; the checkpoint to resume and its step."""
+        return self.run.check()
 
     def create_run_dir(self) -> None:
-        """Start the run directory (marker, resolved config), or say that it resumes; after `check_run_dir`."""
-        marker = self.run_dir / RUN_MARKER
-        if marker.is_file():
-            last = self.last_checkpoint
-            print(f"[spectrain] resuming run in {self.run_dir}" + ("" if last.is_file() else " (no checkpoint yet)"))
-            return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        marker.write_text(json.dumps({"created": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2))
-        (self.run_dir / "config.yaml").write_text(to_yaml(self.config))
+        self.run.create()
 
     def prepare_run_dir(self) -> str | None:
         """Check, then create or resume the run directory; the checkpoint to resume (None for a new run)."""
         resume, _ = self.check_run_dir()
         self.create_run_dir()
         return resume
-
-    # a resume may train longer, report differently, run from a moved directory or give the engine another
-    # KV cache (a start that failed for memory), not change what it trains
-    RESUME_FREE_KEYS = ("trainer.max_steps", "trainer.progress_bar", "trainer.resume", "trainer.log_every_n_steps",
-                        "trainer.checkpoint_every_n_steps", "trainer.run_dir", "trainer.warmstart_dir",
-                        "rollout.kv_cache_gib")
-
-    def _check_same_config(self) -> None:
-        saved = self.run_dir / "config.yaml"
-        if not saved.is_file():
-            return
-        try:  # onto the schema: keys added to spectrain since the run started get their defaults
-            before = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(SpecTrainConfig),
-                                                            OmegaConf.load(saved)))
-        except Exception as exc:  # YAML or schema errors: omegaconf's message says which
-            raise RunDirError(f"{saved} cannot be read as a spectrain config ({type(exc).__name__}: {exc}); "
-                              f"restore it, or choose another trainer.run_dir.") from exc
-        now = OmegaConf.to_container(OmegaConf.structured(self.config))
-        for config in (before, now):
-            for section, _, key in (k.partition(".") for k in self.RESUME_FREE_KEYS):
-                config[section].pop(key, None)
-        if before != now:
-            raise RunDirError(f"{self.run_dir} was started with a different config ({describe_differences(before, now)};"
-                              f" see {saved}); resume it with the same recipe and overrides (only trainer.max_steps, "
-                              f"reporting options, the paths and rollout.kv_cache_gib may change), or choose another "
-                              f"trainer.run_dir.")
-
-    def _read_record(self) -> dict:
-        """The run's marker file: what it recorded so far (creation time, warm-start evaluation, result)."""
-        marker = self.run_dir / RUN_MARKER
-        try:
-            record = json.loads(marker.read_text())
-        except (OSError, ValueError) as exc:
-            raise RunDirError(f"{marker} cannot be read ({type(exc).__name__}: {exc}); restore it, or choose "
-                              f"another trainer.run_dir.") from exc
-        if not isinstance(record, dict):
-            raise RunDirError(f"{marker} is not a spectrain run record (a JSON object); restore it, or choose "
-                              f"another trainer.run_dir.")
-        return record
-
-    def _record(self, entries: dict) -> None:
-        data = self._read_record()
-        data.update(entries)
-        (self.run_dir / RUN_MARKER).write_text(json.dumps(data, indent=2))
-
-    def _recorded_warm_eval(self) -> dict[str, float]:
-        return self._read_record()["warmstart_eval"]
 
     def check_lengths(self) -> None:
         """Prompts plus completions plus the speculative lookahead must fit the engine."""
@@ -555,33 +469,3 @@ def _instantiate(index: int, spec) -> Callback:
     except Exception as exc:  # the constructor's own complaint about its arguments
         raise ConfigError(f"{key}.args: {target}(**{dict(spec.args)}) failed ({type(exc).__name__}: {exc}); "
                           f"fix the arguments") from exc
-
-
-def drop_logged_steps(log_dir: Path, first_step: int) -> None:
-    """Remove the CSV rows of steps >= `first_step` from earlier log segments: a resume re-runs them.
-
-    A run killed between checkpoints logged the steps after its last checkpoint; the resumed
-    segment logs them again (with the same values: sampling is seeded per step), so each step
-    keeps exactly one row.
-    """
-    for path in sorted(log_dir.glob("version_*/metrics.csv")):
-        with open(path, newline="") as f:
-            reader = csv.DictReader(f)
-            fields, rows = reader.fieldnames, list(reader)
-        kept = [r for r in rows if not r.get("step") or int(r["step"]) < first_step]
-        if fields and len(kept) < len(rows):
-            with open(path, "w", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=fields)
-                writer.writeheader()
-                writer.writerows(kept)
-
-
-def _checkpoint_step(ckpt_path: Path) -> int:
-    """The checkpoint's step; it is read whole, so a corrupt file is refused before anything is written."""
-    try:
-        return int(torch.load(ckpt_path, map_location="cpu", weights_only=False)["global_step"])
-    except Exception as exc:  # truncated zip, garbage bytes, a pickle that is no checkpoint...
-        raise RunDirError(f"{ckpt_path} is corrupt or unreadable ({type(exc).__name__}: {exc}). Remove it to "
-                          f"restart the run from its warm start (the warm-start cache is kept), or restore a copy "
-                          f"of it.") from exc
-

@@ -23,7 +23,8 @@ from spectrain.config import load_config
 from spectrain.train.warm_start import draft_cache_key
 from spectrain.errors import RunDirError
 from spectrain.rollout.vllm.engine import CPU_ATTENTION_HEAD_SIZES, kv_cache_bytes
-from spectrain.train.trainer import RUN_MARKER, SpecTrainer
+from spectrain.train.run_dir import MARKER as RUN_MARKER
+from spectrain.train.trainer import SpecTrainer
 from spectrain.train.warm_start import CACHE_META, cached, policy_cache_key, writing_cache
 
 BASE = ["trainer.warmstart_dir=cache", "trainer.progress_bar=false"]
@@ -39,7 +40,7 @@ def fabricate_world(root: Path) -> None:
     config = base_config("existing")
     trainer = SpecTrainer(config)
     trainer.create_run_dir()
-    trainer._record({"warmstart_eval": {"greedy_reward": 0.5, "sampled_reward": 0.4, "sampled_reward_se": 0.01}})
+    trainer.run.record({"warmstart_eval": {"greedy_reward": 0.5, "sampled_reward": 0.4, "sampled_reward_se": 0.01}})
     (root / "existing" / "checkpoints").mkdir()
     torch.save({"global_step": 3}, root / "existing" / "checkpoints" / "last.ckpt")
     for cache, key in ((root / "cache", policy_cache_key(config)), (root / "cache" / "draft", draft_cache_key(config))):

@@ -7,7 +7,8 @@ import pytest
 from spectrain.cli import main as cli_main
 from tests.helpers import TINY, column, metrics
 from spectrain.config import ConfigError, load_config
-from spectrain.train.trainer import RunDirError, SpecTrainer
+from spectrain.errors import RunDirError
+from spectrain.train.trainer import SpecTrainer
 
 def untrained_draft_loss(run_dir, config) -> float:
     """The draft's TTT loss at its initialisation (one warm-up step at lr 0) on the warm-started policy."""

@@ -1,0 +1,147 @@
+"""The run directory: what a run writes, and what it refuses to write into.
+
+`<run_dir>/spectrain_run.json` marks a spectrain run and records its warm-start evaluation and
+result; `config.yaml` is the resolved config a resume must match; `checkpoints/last.ckpt` is
+what a resume continues from; `logs/version_N/metrics.csv` holds one row per step.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from spectrain.config import SpecTrainConfig, describe_differences, to_yaml
+from spectrain.errors import RunDirError
+
+MARKER = "spectrain_run.json"
+
+
+class RunDir:
+    """One run's directory, for one config: checked before anything is written, then created or resumed."""
+
+    def __init__(self, path: Path, config: SpecTrainConfig) -> None:
+        self.path, self.config = Path(path), config
+
+    @property
+    def last_checkpoint(self) -> Path:
+        return self.path / "checkpoints" / "last.ckpt"
+
+    def check(self) -> tuple[str | None, int]:
+        """Refuse a run directory we may not write into, reading only; the checkpoint to resume and its step.
+
+        A missing or empty directory starts a run. Anything else must be a spectrain run (its
+        marker) that `trainer.resume` lets us continue, started with the same config, whose
+        records and checkpoint can be read.
+        """
+        run_dir = self.path
+        if run_dir.exists() and not run_dir.is_dir():
+            raise RunDirError(f"{run_dir} is a file, not a directory; choose another trainer.run_dir.")
+        if not run_dir.exists() or not any(run_dir.iterdir()):
+            return None, 0
+        if not (run_dir / MARKER).is_file():
+            raise RunDirError(f"{run_dir} exists and is not a spectrain run directory; refusing to write into it. "
+                              f"Choose another trainer.run_dir.")
+        if self.config.trainer.resume == "never":
+            raise RunDirError(f"{run_dir} already holds a run and trainer.resume=never; choose another "
+                              f"trainer.run_dir, or set trainer.resume=auto to continue it.")
+        record = self.read_record()
+        self._check_same_config()
+        last = self.last_checkpoint
+        if not last.is_file():
+            return None, 0
+        if "warmstart_eval" not in record:
+            raise RunDirError(f"{run_dir / MARKER} has no warm-start evaluation to resume {last} with; remove "
+                              f"{last} to restart the run from its warm start, or choose another trainer.run_dir.")
+        return str(last), checkpoint_step(last)
+
+    def create(self) -> None:
+        """Start the run directory (marker, resolved config), or say that it resumes; after `check`."""
+        marker = self.path / MARKER
+        if marker.is_file():
+            last = self.last_checkpoint
+            print(f"[spectrain] resuming run in {self.path}" + ("" if last.is_file() else " (no checkpoint yet)"))
+            return
+        self.path.mkdir(parents=True, exist_ok=True)
+        marker.write_text(json.dumps({"created": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2))
+        (self.path / "config.yaml").write_text(to_yaml(self.config))
+
+    # a resume may train longer, report differently, run from a moved directory or give the engine another
+    # KV cache (a start that failed for memory), not change what it trains
+    RESUME_FREE_KEYS = ("trainer.max_steps", "trainer.progress_bar", "trainer.resume", "trainer.log_every_n_steps",
+                        "trainer.checkpoint_every_n_steps", "trainer.run_dir", "trainer.warmstart_dir",
+                        "rollout.kv_cache_gib")
+
+    def _check_same_config(self) -> None:
+        saved = self.path / "config.yaml"
+        if not saved.is_file():
+            return
+        try:  # onto the schema: keys added to spectrain since the run started get their defaults
+            before = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(SpecTrainConfig),
+                                                            OmegaConf.load(saved)))
+        except Exception as exc:  # YAML or schema errors: omegaconf's message says which
+            raise RunDirError(f"{saved} cannot be read as a spectrain config ({type(exc).__name__}: {exc}); "
+                              f"restore it, or choose another trainer.run_dir.") from exc
+        now = OmegaConf.to_container(OmegaConf.structured(self.config))
+        for config in (before, now):
+            for section, _, key in (k.partition(".") for k in self.RESUME_FREE_KEYS):
+                config[section].pop(key, None)
+        if before != now:
+            raise RunDirError(f"{self.path} was started with a different config ({describe_differences(before, now)};"
+                              f" see {saved}); resume it with the same recipe and overrides (only trainer.max_steps, "
+                              f"reporting options, the paths and rollout.kv_cache_gib may change), or choose another "
+                              f"trainer.run_dir.")
+
+    def read_record(self) -> dict:
+        """The run's marker file: what it recorded so far (creation time, warm-start evaluation, result)."""
+        marker = self.path / MARKER
+        try:
+            record = json.loads(marker.read_text())
+        except (OSError, ValueError) as exc:
+            raise RunDirError(f"{marker} cannot be read ({type(exc).__name__}: {exc}); restore it, or choose "
+                              f"another trainer.run_dir.") from exc
+        if not isinstance(record, dict):
+            raise RunDirError(f"{marker} is not a spectrain run record (a JSON object); restore it, or choose "
+                              f"another trainer.run_dir.")
+        return record
+
+    def record(self, entries: dict) -> None:
+        data = self.read_record()
+        data.update(entries)
+        (self.path / MARKER).write_text(json.dumps(data, indent=2))
+
+    def recorded_warm_eval(self) -> dict[str, float]:
+        return self.read_record()["warmstart_eval"]
+
+
+def drop_logged_steps(log_dir: Path, first_step: int) -> None:
+    """Remove the CSV rows of steps >= `first_step` from earlier log segments: a resume re-runs them.
+
+    A run killed between checkpoints logged the steps after its last checkpoint; the resumed
+    segment logs them again (with the same values: sampling is seeded per step), so each step
+    keeps exactly one row.
+    """
+    for path in sorted(log_dir.glob("version_*/metrics.csv")):
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            fields, rows = reader.fieldnames, list(reader)
+        kept = [r for r in rows if not r.get("step") or int(r["step"]) < first_step]
+        if fields and len(kept) < len(rows):
+            with open(path, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=fields)
+                writer.writeheader()
+                writer.writerows(kept)
+
+
+def checkpoint_step(ckpt_path: Path) -> int:
+    """The checkpoint's step; it is read whole, so a corrupt file is refused before anything is written."""
+    try:
+        return int(torch.load(ckpt_path, map_location="cpu", weights_only=False)["global_step"])
+    except Exception as exc:  # truncated zip, garbage bytes, a pickle that is no checkpoint...
+        raise RunDirError(f"{ckpt_path} is corrupt or unreadable ({type(exc).__name__}: {exc}). Remove it to "
+                          f"restart the run from its warm start (the warm-start cache is kept), or restore a copy "
+                          f"of it.") from exc
+
