@@ -17,3 +17,12 @@ def tiny_policy_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("policy")
     save_pretrained(tiny_policy(), path, tokenizer=CharTokenizer())
     return path
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors gain nothing from threads; OpenMP spinning on a shared 2-core box hurts."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

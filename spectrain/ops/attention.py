@@ -55,7 +55,7 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, causal) -> tuple[list[int
     return cu_q, cu_k
 
 
-def _plan_blocks(cu_q: list[int], cu_k: list[int], causal: bool, block_q: int) -> list[_Block]:
+def _tile_blocks(cu_q: list[int], cu_k: list[int], causal: bool, block_q: int) -> list[_Block]:
     """Cut the query rows into blocks and find each block's contiguous key window."""
     blocks = []
     for qs in range(0, cu_q[-1], block_q):
@@ -115,6 +115,40 @@ def _masked_scores(qb, kh, blk, cs, ce, masker, group) -> torch.Tensor:
     return s
 
 
+@dataclass
+class _HeadsFirst:
+    """The inputs of one blockwise pass, heads first in the compute dtype (q pre-scaled)."""
+
+    cu_q: list[int]
+    cu_k: list[int]
+    causal: bool
+    scale: float
+    dtype: torch.dtype
+    n_kv: int
+    group: int
+    dim: int
+    qh: torch.Tensor
+    kh: torch.Tensor
+    vh: torch.Tensor
+    masker: "_Masker"
+
+    def blocks(self, block_q: int) -> list[_Block]:
+        """The query blocks that see at least one key."""
+        return [b for b in _tile_blocks(self.cu_q, self.cu_k, self.causal, block_q) if b.ke > b.ks]
+
+
+def _heads_first_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale) -> _HeadsFirst:
+    cu_q, cu_k = _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, causal)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    cdt = _compute_dtype(q.dtype)
+    n_kv = k.shape[1]
+    return _HeadsFirst(cu_q, cu_k, causal, scale, cdt, n_kv, q.shape[1] // n_kv, q.shape[2],
+                       _heads_first(q, n_kv, cdt) * scale,
+                       _heads_first(k, n_kv, cdt).squeeze(1).contiguous(),
+                       _heads_first(v, n_kv, cdt).squeeze(1).contiguous(),
+                       _Masker(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], causal))
+
+
 @torch.no_grad()
 def attn_forward(
     q: torch.Tensor,
@@ -129,21 +163,12 @@ def attn_forward(
     block_k: int = BLOCK_K,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(out [Tq, Hq, D] in q.dtype, lse [Tq, Hq])``; rows seeing no key: 0 and -inf."""
-    cu_q, cu_k = _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, causal)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    cdt = _compute_dtype(q.dtype)
-    n_kv, group, dim = k.shape[1], q.shape[1] // k.shape[1], q.shape[2]
-
-    qh = _heads_first(q, n_kv, cdt) * scale
-    kh = _heads_first(k, n_kv, cdt).squeeze(1).contiguous()
-    vh = _heads_first(v, n_kv, cdt).squeeze(1).contiguous()
+    x = _heads_first_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+    n_kv, group, dim, qh, kh, vh, masker = x.n_kv, x.group, x.dim, x.qh, x.kh, x.vh, x.masker
     out = qh.new_zeros(n_kv, group, q.shape[0], dim)
     lse = qh.new_full((n_kv, group, q.shape[0]), float("-inf"))
-    masker = _Masker(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], causal)
 
-    for blk in _plan_blocks(cu_q, cu_k, causal, block_q):
-        if blk.ke <= blk.ks:
-            continue
+    for blk in x.blocks(block_q):
         qb = qh[:, :, blk.qs : blk.qe].reshape(n_kv, -1, dim)
         row_max = qb.new_full(qb.shape[:2], float("-inf"))
         row_sum = qb.new_zeros(qb.shape[:2])
@@ -189,15 +214,9 @@ def attn_backward(
     TTT trunk + branch): ``P = exp(s - lse)`` and ``D = rowsum(dout * out)`` are then the
     joint probabilities and correction, and this returns exactly this part's gradients.
     """
-    cu_q, cu_k = _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, causal)
     assert dout.shape == out.shape == q.shape and lse.shape == q.shape[:2]
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    cdt = _compute_dtype(q.dtype)
-    n_kv, group, dim = k.shape[1], q.shape[1] // k.shape[1], q.shape[2]
-
-    qh = _heads_first(q, n_kv, cdt) * scale
-    kh = _heads_first(k, n_kv, cdt).squeeze(1).contiguous()
-    vh = _heads_first(v, n_kv, cdt).squeeze(1).contiguous()
+    x = _heads_first_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+    n_kv, group, dim, qh, kh, vh, masker, cdt = x.n_kv, x.group, x.dim, x.qh, x.kh, x.vh, x.masker, x.dtype
     doh = _heads_first(dout, n_kv, cdt)
     delta = (dout.to(cdt) * out.to(cdt)).sum(-1)  # D = rowsum(dO * O), [T, Hq]
     delta = delta.view(-1, n_kv, group).permute(1, 2, 0)
@@ -207,11 +226,8 @@ def attn_backward(
     dq = torch.zeros_like(qh)
     dk = torch.zeros_like(kh)
     dv = torch.zeros_like(vh)
-    masker = _Masker(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], causal)
 
-    for blk in _plan_blocks(cu_q, cu_k, causal, block_q):
-        if blk.ke <= blk.ks:
-            continue
+    for blk in x.blocks(block_q):
         rows = slice(blk.qs, blk.qe)
         qb = qh[:, :, rows].reshape(n_kv, -1, dim)
         dob = doh[:, :, rows].reshape(n_kv, -1, dim)
@@ -227,7 +243,7 @@ def attn_backward(
             dk[:, cs:ce] += torch.bmm(ds.transpose(1, 2), qb)  # qb carries the scale
         dq[:, :, rows] = dqb.view(n_kv, group, -1, dim)
 
-    dq = _tokens_first(dq * scale).to(q.dtype)
+    dq = _tokens_first(dq * x.scale).to(q.dtype)
     dk = _tokens_first(dk.unsqueeze(1)).to(k.dtype)
     dv = _tokens_first(dv.unsqueeze(1)).to(v.dtype)
     return dq, dk, dv

@@ -68,13 +68,7 @@ def reference_grads(q, k, v, mask, dout, scale=None):
     return torch.autograd.grad(out, leaves, dout)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors gain nothing from threads; OpenMP spinning on a shared 2-core box hurts."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 HEADS = pytest.mark.parametrize("hq,hkv", [(4, 2), (2, 2)], ids=["gqa", "mha"])

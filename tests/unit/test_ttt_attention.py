@@ -13,13 +13,7 @@ TOL64 = dict(atol=1e-10, rtol=1e-10)
 LENGTHS = [1, 7, 33, 130, 5]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors gain nothing from threads; OpenMP spinning on a shared 2-core box hurts."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def cu_of(lengths: list[int]) -> torch.Tensor:
