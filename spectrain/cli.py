@@ -66,7 +66,7 @@ def _show_config(args) -> int:
 
 
 def _calibrate(args) -> int:
-    from spectrain.rollout.speculation._adaptive_old import calibrate
+    from spectrain.train.calibrate import calibrate
 
     result, path = calibrate(load_config(args.recipe, args.overrides))
     for n, t, per in zip(result.token_counts, result.times_s, result.per_token_s):

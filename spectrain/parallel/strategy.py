@@ -26,7 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch.distributed.device_mesh import DeviceMesh
 
-from spectrain.config import ParallelConfig
+from spectrain.config.schema import ParallelConfig
 from spectrain.parallel.mesh import build_mesh, check_mesh_shape, world_size
 
 STRATEGY_NAME = "spec_parallel"

@@ -6,19 +6,19 @@ the next step's `k`, and use the long tail's idle steps to train the draft. This
 the same requests, steps `LLMEngine` until they are done and returns the same completions,
 plus one `StepRecord` per engine step.
 
-Per-step counters come from a tap on vLLM's stat-logger hook (the same `SchedulerStats` /
-`IterationStats` its Prometheus logger sees), because `LLM.get_metrics()` costs ~10 ms,
-as much as a tiny model's decode step.
+Per-step counters come from a tap on vLLM's stat-logger hook (`compat.add_stats_tap`),
+because `LLM.get_metrics()` costs ~10 ms, as much as a tiny model's decode step.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from spectrain.rollout.engine import Completion, SamplingConfig
-from spectrain.rollout.vllm.engine import RolloutEngineError, VLLMRolloutEngine, to_completions
+from spectrain.rollout.vllm import compat
+from spectrain.rollout.vllm.engine import VLLMRolloutEngine, to_completions
 
 
 @dataclass
@@ -58,14 +58,32 @@ class StepLoopResult:
         return sum(len(c.token_ids) for c in self.completions)
 
 
-class StepController(Protocol):
-    """Chooses `k` before each engine step and sees each step's record after it."""
+class SpecController:
+    """Sets `k` before each engine step and sees each step's record after it.
 
-    def begin_rollout(self) -> None: ...
+    The base of the adaptive policies (`spectrain.rollout.speculation.controllers`); it lives
+    beside the loop that calls it, which needs none of their logic. Subclasses override
+    `before_step`, and the rest as they need.
+    """
 
-    def before_step(self, live: int) -> int: ...
+    def begin_rollout(self) -> None:
+        pass
 
-    def after_step(self, record: StepRecord) -> None: ...
+    def before_step(self, live: int) -> int:
+        raise NotImplementedError
+
+    def after_step(self, record: StepRecord) -> None:
+        pass
+
+    def rollout_metrics(self) -> dict[str, float]:
+        """Scalars about the last rollout's decisions, for the logger."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
 
 
 class IdleStepHook(Protocol):
@@ -76,38 +94,11 @@ class IdleStepHook(Protocol):
     def maybe_run(self, live: int) -> bool: ...
 
 
-def _stats_tap_class():
-    from vllm.v1.metrics.loggers import AggregateStatLoggerBase
-
-    class StepStatsTap(AggregateStatLoggerBase):
-        """Accumulates what vLLM reports for the current engine step."""
-
-        def __init__(self) -> None:
-            self.reset()
-
-        def reset(self) -> None:
-            self.drafts = self.draft_tokens = self.accepted = self.tokens = 0
-
-        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0) -> None:
-            spec = scheduler_stats.spec_decoding_stats if scheduler_stats is not None else None
-            if spec is not None:
-                self.drafts += spec.num_drafts
-                self.draft_tokens += spec.num_draft_tokens
-                self.accepted += spec.num_accepted_tokens
-            if iteration_stats is not None:
-                self.tokens += iteration_stats.num_generation_tokens
-
-        def log_engine_initialized(self) -> None:
-            pass
-
-    return StepStatsTap
-
-
 def generate_stepwise(
     engine: VLLMRolloutEngine,
     prompts: list[list[int]],
     sampling: SamplingConfig | Sequence[SamplingConfig],
-    controller: StepController | None = None,
+    controller: SpecController | None = None,
     idle_hook: IdleStepHook | None = None,
 ) -> StepLoopResult:
     """`engine.generate(prompts, sampling)` one engine step at a time.
@@ -125,10 +116,7 @@ def generate_stepwise(
     configs = [sampling] * len(prompts) if isinstance(sampling, SamplingConfig) else list(sampling)
     if len(configs) != len(prompts):
         raise ValueError(f"{len(configs)} sampling configs for {len(prompts)} prompts; pass one, or one per prompt")
-    llm_engine = engine.llm.llm_engine
-    if llm_engine.logger_manager is None:
-        raise RolloutEngineError("the step loop reads vLLM's per-step stats: start the engine with "
-                                 "disable_log_stats=False (VLLMRolloutEngine does)")
+    llm_engine = compat.stepped_engine(engine.llm)
     engine.in_process_scheduler()  # fail early, before adding requests, if the core is out of process
     for hook in (controller, idle_hook):
         if hook is not None:
@@ -137,8 +125,8 @@ def generate_stepwise(
     request_ids = engine.llm.enqueue([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     finished = []
     trace: list[StepRecord] = []
-    tap = _stats_tap_class()()
-    llm_engine.logger_manager.stat_loggers.append(tap)
+    reports: list[compat.StepStats] = []  # of the current engine step
+    tap = compat.add_stats_tap(engine.llm, reports.append)
     try:
         while llm_engine.has_unfinished_requests():
             live = min(llm_engine.get_num_unfinished_requests(), engine.max_num_seqs)
@@ -146,11 +134,13 @@ def generate_stepwise(
                 k = controller.before_step(live)
                 if k != engine.speculative_tokens_for(live):
                     engine.set_num_speculative_tokens(k)
-            tap.reset()
+            reports.clear()
             started = time.perf_counter()
             finished += [out for out in llm_engine.step() if out.finished]
-            record = StepRecord(live, engine.speculative_tokens_for(live), tap.drafts, tap.draft_tokens,
-                                tap.accepted, time.perf_counter() - started, tap.tokens)
+            seconds = time.perf_counter() - started
+            step = sum(reports, compat.StepStats())
+            record = StepRecord(live, engine.speculative_tokens_for(live), step.drafts, step.draft_tokens,
+                                step.accepted, seconds, step.generated)
             trace.append(record)
             if controller is not None:
                 controller.after_step(record)
@@ -160,7 +150,7 @@ def generate_stepwise(
         llm_engine.abort_request(request_ids, internal=True)
         raise
     finally:
-        llm_engine.logger_manager.stat_loggers.remove(tap)
+        compat.remove_stats_tap(engine.llm, tap)
     # vLLM numbers requests in the order added, as `LLM.generate` relies on too
     outputs = sorted(finished, key=lambda out: int(out.request_id))
     completions = [c for i, out in enumerate(outputs) for c in to_completions(i, prompts[i], out)]

@@ -24,15 +24,10 @@ from spectrain.parallel.plan import DraftInputs, LocalPlan, TrainPlan, ttt_valid
 from spectrain.batch import RolloutBatch, build_rollout_batch
 from spectrain.train.grpo import group_advantages, grpo_loss, minibatch_documents, token_logprobs
 from spectrain.rollout.engine import Completion, LoadStats, RolloutEngine, SamplingConfig, SpecDecodeCounters
-from spectrain.rollout.speculation._adaptive_old import (
-    LongTailTrainer,
-    SpecController,
-    build_controller,
-    uses_step_loop,
-)
-from spectrain.rollout.speculation._old import LongTailPolicy
+from spectrain.rollout.speculation.controllers import build_controller, uses_step_loop
+from spectrain.rollout.speculation.long_tail import LongTailPolicy, LongTailTrainer
 from spectrain.train.draft_update import draft_update
-from spectrain.rollout.step_loop import generate_stepwise
+from spectrain.rollout.step_loop import SpecController, generate_stepwise
 
 
 @dataclass
@@ -157,7 +152,7 @@ class GRPOModule(L.LightningModule):
         return {"greedy_reward": float(greedy.mean()), "sampled_reward": float(sampled.mean()),
                 "sampled_reward_se": float(sampled.std() / sampled.numel() ** 0.5)}
 
-    # adaptive speculation and long-tail spot training (spectrain/rollout/speculation/_adaptive_old.py) ----
+    # adaptive speculation and long-tail spot updates (spectrain/rollout/speculation/) --------------
     def generate_rollout(self, prompts: list[list[int]], sampling: SamplingConfig, train_in_tail: bool):
         """`engine.generate`, or the step loop when `k` adapts per step or the long tail trains the draft."""
         if not uses_step_loop(self.config):
@@ -178,12 +173,11 @@ class GRPOModule(L.LightningModule):
         return result.completions
 
     def long_tail_trainer(self) -> LongTailTrainer | None:
-        """Spot draft steps on the previous step's taps; None until there are taps to train on."""
+        """Spot updates of the draft on the previous step's taps; None until there are taps to train on."""
         lt, d = self.config.speculation.long_tail, self.config.draft
         if not (lt.enabled and self.trains_draft and self.draft_inputs):
             return None
-        policy = LongTailPolicy(lt.threshold, mode=True, max_steps=lt.max_steps)
-        return LongTailTrainer(policy, lambda: draft_update(
+        return LongTailTrainer(LongTailPolicy(lt.threshold, lt.max_steps), lambda: draft_update(
             self.draft, self.draft_optimizer(), self.draft_inputs, ttt_passes=d.ttt_passes, pass_decay=d.pass_decay,
             grad_clip=d.grad_clip, backward=self.manual_backward))
 

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch.utils.data import DataLoader, IterableDataset
@@ -134,7 +133,8 @@ class SpecTrainer:
     def build_rollout_engine(self, policy_dir: Path, draft_dir: Path | None) -> RolloutEngine:
         """The vLLM engine; adaptive speculation modes start it able to change `k` at runtime, with a
         verify budget measured first if the run has none."""
-        from spectrain.rollout.speculation._adaptive_old import engine_spec_schedule, ensure_verify_budget
+        from spectrain.rollout.speculation.calibration import ensure_verify_budget
+        from spectrain.rollout.speculation.controllers import engine_spec_schedule
         from spectrain.rollout.vllm.engine import VLLMRolloutEngine
 
         ensure_verify_budget(self.config, policy_dir, self.run_dir)
@@ -156,19 +156,11 @@ class SpecTrainer:
         return strategy
 
     def prepare_rollout_process_groups(self) -> None:
-        """On every rank, before rank 0 starts its in-process vLLM engine (collective).
+        """On every rank, before rank 0 starts its in-process vLLM engine (collective): vLLM's process
+        groups (spectrain/rollout/vllm/dist.py). An engine without process groups overrides this as a no-op."""
+        from spectrain.rollout.vllm.dist import prepare_process_groups
 
-        vLLM joins an existing default process group and builds its groups over all of it
-        with `new_group`, which every rank must call; so all ranks build them here and rank
-        0's engine finds them ready. An engine without process groups overrides this as a no-op.
-        """
-        from vllm.config import VllmConfig, set_current_vllm_config
-        from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
-        from vllm.platforms import current_platform
-
-        with set_current_vllm_config(VllmConfig()):
-            init_distributed_environment(dist.get_world_size(), dist.get_rank(), backend=current_platform.dist_backend)
-            ensure_model_parallel_initialized(1, 1)
+        prepare_process_groups()
 
     def build_callbacks(self) -> list[Callback]:
         from spectrain.callbacks import (AcceptanceLengthLogger, DraftCoTraining, HeldOutEval, RunHistory, StopOnSignal,
@@ -302,7 +294,7 @@ class SpecTrainer:
 
     def _check_engine_inputs(self) -> None:
         """What vLLM would refuse only when it starts, or at the first rollout: after the warm start."""
-        from spectrain.rollout.speculation._adaptive_old import needs_calibration
+        from spectrain.rollout.speculation.calibration import needs_calibration
         from spectrain.rollout.vllm.engine import check_attention_head_size, kv_cache_bytes
 
         kv_cache_bytes(self.config.rollout.kv_cache_gib)

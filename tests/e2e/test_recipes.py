@@ -18,7 +18,7 @@ from spectrain.cli import main as cli_main
 from spectrain.config import load_config
 from spectrain.tasks.arithmetic import ArithmeticTask
 from spectrain.tasks.tokenizer import CharTokenizer
-from spectrain.rollout.speculation._adaptive_old import load_verify_budget
+from spectrain.rollout.speculation.calibration import load_verify_budget
 from tests.helpers import TINY, column, metrics
 
 STEPS = 2

@@ -11,18 +11,13 @@ import pytest
 import torch
 
 from spectrain.config import ConfigError, load_config
-from spectrain.rollout.speculation._adaptive_old import (
-    BanditController,
-    ConcurrencyController,
-    FixedK,
-    LongTailTrainer,
-    SpecController,
-    build_controller,
-    load_verify_budget,
-)
 from spectrain.rollout.engine import SamplingConfig
-from spectrain.rollout.speculation._old import BanditSelector, ConcurrencyAwareRule, LongTailPolicy, SpecArm
-from spectrain.rollout.step_loop import StepRecord
+from spectrain.rollout.speculation.bandit import BanditSelector, SpecArm
+from spectrain.rollout.speculation.calibration import load_verify_budget
+from spectrain.rollout.speculation.controllers import BanditController, ConcurrencyController, FixedK, build_controller
+from spectrain.rollout.speculation.long_tail import LongTailPolicy, LongTailTrainer
+from spectrain.rollout.speculation.rule import ConcurrencyAwareRule
+from spectrain.rollout.step_loop import SpecController, StepRecord
 
 K_MAX = 4
 
@@ -42,17 +37,17 @@ def test_bandit_holds_each_arm_two_steps_and_rewards_the_second():
         ks.append(ctrl.before_step(live))
         ctrl.after_step(record(live, ks[-1], drafts=8, accepted=accepted, seconds=seconds))
     assert ks == [1, 1, 3, 3, 3]  # untried k1, then untried k3, then exploit the better (k3)
-    assert [h["reward"] for h in selector.history] == pytest.approx([160.0, 320.0])
+    assert selector.state_dict()["rewards"] == [[pytest.approx([160.0]), pytest.approx([320.0])]]
     assert ctrl.decisions == [("k1", "untried"), ("k3", "untried"), ("k3", "exploit")]
     assert ctrl.rollout_metrics() == {"bandit/k1_untried": 1.0, "bandit/k3_exploit": 1.0, "bandit/k3_untried": 1.0}
     restored = BanditController(BanditSelector([SpecArm(1), SpecArm(3)], epsilon=0.0, seed=0))
     restored.load_state_dict(json.loads(json.dumps(ctrl.state_dict())))
-    assert restored.selector.counts() == selector.counts()
+    assert restored.selector.state_dict() == selector.state_dict()
 
 
 def test_long_tail_trainer_only_below_threshold_and_capped():
     calls = []
-    trainer = LongTailTrainer(LongTailPolicy(threshold=4, mode="on", max_steps=2), lambda: calls.append(1))
+    trainer = LongTailTrainer(LongTailPolicy(threshold=4, max_steps=2), lambda: calls.append(1))
     trainer.begin_rollout()
     ran = [trainer.maybe_run(live) for live in (16, 8, 4, 3, 2, 1, 1)]
     assert ran == [False, False, False, True, True, False, False] and trainer.steps == 2
@@ -198,7 +193,7 @@ def test_set_num_speculative_tokens_changes_vllm_drafting(engine):
 def test_concurrency_and_bandit_controllers_set_k_per_step(engine):
     from spectrain.rollout.step_loop import generate_stepwise
 
-    rule = ConcurrencyAwareRule(verify_budget=12, k_max=K_MAX, n_max=K_MAX + 1)
+    rule = ConcurrencyAwareRule(verify_budget=12, k_max=K_MAX)
     result = generate_stepwise(engine, prompts(8), long_tail(8), ConcurrencyController(rule))
     assert [r.k for r in result.trace] == [rule.num_speculative_tokens(r.live) for r in result.trace]
     assert result.trace[0].k < result.trace[-1].k == K_MAX  # deeper as sequences finish
@@ -209,7 +204,7 @@ def test_concurrency_and_bandit_controllers_set_k_per_step(engine):
     bandit = BanditController(BanditSelector([SpecArm(1), SpecArm(2), SpecArm(4)], epsilon=0.0, seed=0))
     result = generate_stepwise(engine, prompts(8), long_tail(8), bandit)
     assert len(bandit.decisions) == (len(result.trace) + 1) // 2
-    assert sum(sum(c.values()) for c in bandit.selector.counts().values()) == len(result.trace) // 2
+    assert sum(map(sum, bandit.selector.state_dict()["counts"])) == len(result.trace) // 2
 
 
 @pytest.mark.slow
@@ -217,7 +212,7 @@ def test_long_tail_trainer_runs_between_steps_below_threshold(engine):
     from spectrain.rollout.step_loop import generate_stepwise
 
     live_at_call = []
-    spot = LongTailTrainer(LongTailPolicy(threshold=3, mode="on", max_steps=2),
+    spot = LongTailTrainer(LongTailPolicy(threshold=3, max_steps=2),
                            lambda: live_at_call.append(engine.llm.llm_engine.get_num_unfinished_requests()))
     result = generate_stepwise(engine, prompts(8), long_tail(8), FixedK(0), idle_hook=spot)
     assert spot.steps == 2 and live_at_call == [2, 1]
@@ -239,7 +234,7 @@ def test_build_controller_needs_a_runtime_k_engine(engine, tmp_path, monkeypatch
 @pytest.mark.slow
 def test_decode_step_times_fixed_length_decoding(engine, monkeypatch):
     """Calibration decodes `steps` tokens per sequence (min_tokens: no early EOS) at a fixed batch."""
-    from spectrain.rollout import adaptive
+    from spectrain.rollout.speculation import calibration
     from spectrain.rollout.step_loop import generate_stepwise
 
     engine.set_num_speculative_tokens(0)
@@ -249,8 +244,8 @@ def test_decode_step_times_fixed_length_decoding(engine, monkeypatch):
         traces.append(generate_stepwise(*args, **kwargs))
         return traces[-1]
 
-    monkeypatch.setattr("spectrain.rollout.step_loop.generate_stepwise", recording)
-    tokens, seconds = adaptive.decode_step(engine, batch=3, steps=4)
+    monkeypatch.setattr(calibration, "generate_stepwise", recording)
+    tokens, seconds = calibration.decode_step(engine, batch=3, steps=4)
     assert tokens == 3 and seconds > 0
     result = traces[-1]
     assert [len(c.token_ids) for c in result.completions] == [5, 5, 5]

@@ -1,4 +1,4 @@
-"""Adaptive speculation: concurrency-aware rule, vLLM schedule, bandit, calibration, long tail."""
+"""Adaptive speculation's decision logic: concurrency-aware rule, bandit, calibration, long tail."""
 
 from __future__ import annotations
 
@@ -9,155 +9,32 @@ from collections import Counter
 
 import pytest
 
-from spectrain.rollout.speculation._old import (
-    BanditSelector,
-    BatchBucket,
-    CalibrationResult,
-    ConcurrencyAwareRule,
-    LongTailPolicy,
-    SpecArm,
-    accepted_tokens_per_second,
-    buckets_by_verify_budget,
-    calibrate_verify_budget,
-    vllm_dynamic_speculative_config,
-)
+from spectrain.errors import ConfigError, RunDirError
+from spectrain.rollout.speculation.bandit import (BanditSelector, BatchBucket, SpecArm, accepted_tokens_per_second,
+                                                  buckets_by_verify_budget)
+from spectrain.rollout.speculation.calibration import CalibrationResult, calibrate_verify_budget
+from spectrain.rollout.speculation.long_tail import LongTailPolicy
+from spectrain.rollout.speculation.rule import ConcurrencyAwareRule
 
 # ------------------------------------------------------------------ concurrency rule
 
-# C=64, k_max=4, n_max=5, c=1, l_min=1, l_max=k_max=4, k_width_max=n_max-1=4. By hand:
-# (B, N_v=min(64//B, 5), L=clamp(floor(log2 N_v), 1, 4), K=max(1, min(N_v-1, 4)), T=N_v-1, k)
-CHAIN_TABLE = [
-    (1, 5, 2, 4, 4, 4),
-    (12, 5, 2, 4, 4, 4),
-    (13, 4, 2, 3, 3, 3),
-    (16, 4, 2, 3, 3, 3),
-    (17, 3, 1, 2, 2, 2),
-    (21, 3, 1, 2, 2, 2),
-    (22, 2, 1, 1, 1, 1),
-    (32, 2, 1, 1, 1, 1),
-    (33, 1, 1, 1, 0, 0),  # log2(1) = 0 clamps up to l_min
-    (64, 1, 1, 1, 0, 0),
-    (65, 0, 1, 1, -1, 0),  # batch alone exceeds the budget: no speculation
-]
-
-# Tree-shaped: C=256, k_max=8, n_max=16, c=2, l_min=1, l_max=6, k_width_max=4.
-TREE_TABLE = [
-    (1, 16, 3, 4, 15, 8),  # floor(log2(16/2)) = 3; T=15 clamps to k_max=8
-    (16, 16, 3, 4, 15, 8),
-    (17, 15, 2, 4, 14, 8),  # 256//17 = 15, log2(7.5) = 2.9
-    (64, 4, 1, 3, 3, 3),  # log2(2) = 1
-    (128, 2, 1, 1, 1, 1),  # log2(1) = 0 -> l_min
-    (300, 0, 1, 1, -1, 0),
-]
+# C=64, k_max=4. By hand: (B, k = clamp(64 // B - 1, 0, 4))
+CHAIN_TABLE = [(1, 4), (12, 4), (13, 3), (16, 3), (17, 2), (21, 2), (22, 1), (32, 1), (33, 0), (64, 0),
+               (65, 0)]  # the batch alone exceeds the budget: no speculation
 
 
-@pytest.mark.parametrize("b, n_v, depth, width, t, k", CHAIN_TABLE)
-def test_rule_chain_table(b, n_v, depth, width, t, k):
-    rule = ConcurrencyAwareRule(verify_budget=64, k_max=4, n_max=5)
-    d = rule.decide(b)
-    assert (d.batch_size, d.verify_tokens, d.depth, d.width, d.draft_tokens,
-            d.num_speculative_tokens) == (b, n_v, depth, width, t, k)
-    assert rule.num_speculative_tokens(b) == k
-
-
-@pytest.mark.parametrize("b, n_v, depth, width, t, k", TREE_TABLE)
-def test_rule_tree_table(b, n_v, depth, width, t, k):
-    rule = ConcurrencyAwareRule(256, k_max=8, n_max=16, c=2.0, l_min=1, l_max=6, k_width_max=4)
-    d = rule.decide(b)
-    assert (d.verify_tokens, d.depth, d.width, d.draft_tokens, d.num_speculative_tokens) == (
-        n_v, depth, width, t, k)
+@pytest.mark.parametrize("b, k", CHAIN_TABLE)
+def test_rule_chain_table(b, k):
+    assert ConcurrencyAwareRule(verify_budget=64, k_max=4).num_speculative_tokens(b) == k
 
 
 def test_rule_respects_budget_and_is_monotone():
-    rule = ConcurrencyAwareRule(verify_budget=100, k_max=7, n_max=8)
+    rule = ConcurrencyAwareRule(verify_budget=100, k_max=7)
     ks = [rule.num_speculative_tokens(b) for b in range(1, 200)]
     assert ks == sorted(ks, reverse=True)
     for b, k in zip(range(1, 200), ks):
         if k > 0:  # verify tokens of the step stay within C
             assert b * (k + 1) <= 100
-
-
-@pytest.mark.parametrize(
-    "kwargs, exc, fragment",
-    [
-        (dict(verify_budget=0, k_max=4, n_max=5), ValueError, "verify_budget must be >= 1, got 0"),
-        (dict(verify_budget=64.0, k_max=4, n_max=5), TypeError, "verify_budget must be an int"),
-        (dict(verify_budget=64, k_max=0, n_max=5), ValueError, "speculation.k=0"),
-        (dict(verify_budget=64, k_max=4, n_max=0), ValueError, "n_max = k_max + 1"),
-        (dict(verify_budget=64, k_max=4, n_max=5, c=0.0), ValueError, "c must be > 0.0"),
-        (dict(verify_budget=64, k_max=4, n_max=5, l_min=3, l_max=2), ValueError, "l_min (3)"),
-        (dict(verify_budget=True, k_max=4, n_max=5), TypeError, "got True"),
-    ],
-)
-def test_rule_validation(kwargs, exc, fragment):
-    with pytest.raises(exc, match=None) as info:
-        ConcurrencyAwareRule(**kwargs)
-    assert fragment in str(info.value)
-
-
-def test_rule_rejects_bad_batch_size():
-    rule = ConcurrencyAwareRule(64, 4, 5)
-    with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
-        rule.decide(0)
-
-
-# ------------------------------------------------------------------ vLLM schedule
-
-def test_to_vllm_schedule_merged_contiguous():
-    rule = ConcurrencyAwareRule(verify_budget=64, k_max=4, n_max=5)
-    sched = rule.to_vllm_schedule(80)
-    assert sched == [(1, 12, 4), (13, 16, 3), (17, 21, 2), (22, 32, 1), (33, 80, 0)]
-    # contiguous, from 1 to max_batch, adjacent ranges differ in k
-    assert sched[0][0] == 1 and sched[-1][1] == 80
-    for (_, hi, k), (lo2, _, k2) in zip(sched, sched[1:]):
-        assert lo2 == hi + 1 and k2 != k
-    expanded = {b: k for lo, hi, k in sched for b in range(lo, hi + 1)}
-    assert expanded == {b: rule.num_speculative_tokens(b) for b in range(1, 81)}
-
-
-def test_to_vllm_schedule_single_range_and_validation():
-    rule = ConcurrencyAwareRule(verify_budget=4096, k_max=3, n_max=4)
-    assert rule.to_vllm_schedule(16) == [(1, 16, 3)]
-    with pytest.raises(ValueError, match="max_num_seqs"):
-        rule.to_vllm_schedule(0)
-
-
-def test_vllm_dynamic_speculative_config():
-    rule = ConcurrencyAwareRule(verify_budget=64, k_max=4, n_max=5)
-    kw = vllm_dynamic_speculative_config(rule.to_vllm_schedule(40))
-    assert kw["num_speculative_tokens"] == 4
-    assert kw["num_speculative_tokens_per_batch_size"][0] == (1, 12, 4)
-    with pytest.raises(ValueError, match="k=0 at every batch size"):
-        vllm_dynamic_speculative_config([(1, 8, 0)])
-    with pytest.raises(ValueError, match="next lo = 5"):
-        vllm_dynamic_speculative_config([(1, 4, 2), (6, 8, 1)])
-    with pytest.raises(ValueError, match="start at 1"):
-        vllm_dynamic_speculative_config([(2, 4, 2)])
-
-
-@pytest.mark.vllm  # imports vLLM (~20 s), starts no engine
-def test_schedule_passes_vllm_validation():
-    """vLLM 0.32 validates the schedule when the Scheduler is built
-    (vllm/v1/core/sched/scheduler.py:309-314 -> build_dynamic_sd_schedule_lookup in
-    vllm/v1/spec_decode/dynamic/utils.py:77, which calls validate_and_normalize_dynamic_sd_schedule
-    at line 7; SpeculativeConfig itself only type-checks the field). Run both here, no engine."""
-    utils = pytest.importorskip("vllm.v1.spec_decode.dynamic.utils")
-    vllm_config = pytest.importorskip("vllm.config")
-    max_num_seqs = 80
-    for rule in (ConcurrencyAwareRule(64, 4, 5), ConcurrencyAwareRule(256, 8, 16, c=2.0),
-                 ConcurrencyAwareRule(8, 7, 8)):
-        kw = vllm_dynamic_speculative_config(rule.to_vllm_schedule(max_num_seqs))
-        # pydantic-level: the field type and num_speculative_tokens > 0
-        spec = vllm_config.SpeculativeConfig(method="ngram", prompt_lookup_max=3,
-                                             prompt_lookup_min=1, **kw)
-        assert spec.uses_dynamic_speculative_decoding()
-        assert utils.validate_and_normalize_dynamic_sd_schedule(
-            list(spec.num_speculative_tokens_per_batch_size)) == kw[
-                "num_speculative_tokens_per_batch_size"]
-        # scheduler-level: the dense batch_size -> k lookup vLLM runs on matches the rule
-        dense = utils.build_dynamic_sd_schedule_lookup(
-            spec.num_speculative_tokens_per_batch_size, max_num_seqs, spec.num_speculative_tokens)
-        assert dense[1:] == [rule.num_speculative_tokens(b) for b in range(1, max_num_seqs + 1)]
 
 
 # ------------------------------------------------------------------ bandit
@@ -179,7 +56,7 @@ def run_bandit(sel: BanditSelector, steps: int, rng: random.Random, batch_size: 
     out = []
     for _ in range(steps):
         arm, reason = sel.select(batch_size)
-        sel.update(arm, synthetic_reward(arm, rng))
+        sel.update(arm, batch_size, synthetic_reward(arm, rng))
         out.append((arm, reason))
     return out
 
@@ -202,7 +79,6 @@ def test_bandit_finds_best_arm_and_explores_at_epsilon(seed):
     assert set(exploit_after_300) == {4}  # best median, despite k=0's spikes
     explore_frac = sum(r == "explore" for _, r in picks) / len(picks)
     assert abs(explore_frac - 0.1) <= 0.03, explore_frac
-    assert sel.median_reward(SpecArm(4), 8) == pytest.approx(250.0, abs=15.0)
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -225,12 +101,13 @@ def test_bandit_epsilon_zero_and_one():
 def test_bandit_window_forgets_old_rewards():
     """A drifting policy changes which arm is best; the sliding window lets the bandit follow."""
     sel = BanditSelector([SpecArm(1), SpecArm(3)], epsilon=0.1, window=20, seed=3)
+    picks = []
     for step in range(600):
-        arm, _ = sel.select(4)
+        arm, reason = sel.select(4)
         good = 3 if step < 300 else 1
-        sel.update(arm, 200.0 if arm.num_speculative_tokens == good else 100.0)
-    recent = [h["arm"] for h in list(sel.history)[-100:] if h["reason"] == "exploit"]
-    assert set(recent) == {"k1"}
+        sel.update(arm, 4, 200.0 if arm.num_speculative_tokens == good else 100.0)
+        picks.append((arm.name, reason))
+    assert {arm for arm, reason in picks[-100:] if reason == "exploit"} == {"k1"}
 
 
 def test_bandit_bucket_eligibility():
@@ -246,10 +123,9 @@ def test_bandit_bucket_eligibility():
         for _ in range(40):
             arm, _ = sel.select(bs)
             assert arm.num_speculative_tokens in allowed
-            sel.update(arm, synthetic_reward(arm, rng))
-    # statistics are per bucket: bucket 9..32 never saw k4
-    assert sel.counts()["9-32"].keys() == {"off", "k2"}
-    assert sel.median_reward(SpecArm(4), 20) is None
+            sel.update(arm, bs, synthetic_reward(arm, rng))
+    # statistics are per bucket: bucket 9..32 (the second) played only k0 and k2
+    assert [n > 0 for n in sel.state_dict()["counts"][1]] == [True, True, False, False]
 
 
 def test_buckets_by_verify_budget():
@@ -258,53 +134,8 @@ def test_buckets_by_verify_budget():
     got = [(b.lo, b.hi, [a.num_speculative_tokens for a in b.arms]) for b in buckets]
     # lo * (k + 1) <= 64: lo=1 all; lo=5: k<=11 all; lo=17: k+1<=3 -> k<=2; lo=65: only k=0
     assert got == [(1, 4, [0, 1, 3, 7]), (5, 16, [0, 1, 3, 7]), (17, 64, [0, 1]), (65, None, [0])]
-    BanditSelector(arms, buckets)  # valid cover
     only_spec = buckets_by_verify_budget([SpecArm(2), SpecArm(4)], edges=[100], verify_budget=64)
     assert only_spec[-1].arms == (SpecArm(2),)  # nothing fits: cheapest arm
-
-
-@pytest.mark.parametrize(
-    "buckets, fragment",
-    [
-        ([BatchBucket(2, None, (SpecArm(0),))], "expected lo=1"),
-        ([BatchBucket(1, 4, (SpecArm(0),)), BatchBucket(6, None, (SpecArm(0),))], "expected lo=5"),
-        ([BatchBucket(1, None, (SpecArm(9),))], "['k9'] not in arms"),
-        ([], "buckets is empty"),
-    ],
-)
-def test_bandit_bucket_validation(buckets, fragment):
-    with pytest.raises(ValueError) as info:
-        BanditSelector(ARMS, buckets)
-    assert fragment in str(info.value)
-
-
-def test_bandit_errors():
-    with pytest.raises(ValueError, match="arms is empty"):
-        BanditSelector([])
-    with pytest.raises(ValueError, match="duplicates"):
-        BanditSelector([SpecArm(2), SpecArm(2)])
-    with pytest.raises(ValueError, match="epsilon must be <= 1.0"):
-        BanditSelector(ARMS, epsilon=1.5)
-    with pytest.raises(ValueError, match=r"min_plays \(5\) must be <= window \(4\)"):
-        BanditSelector(ARMS, window=4, min_plays=5)
-    with pytest.raises(ValueError, match=">= 0"):
-        SpecArm(-1)
-    sel = BanditSelector(ARMS, [BatchBucket(1, 8, tuple(ARMS))])
-    with pytest.raises(ValueError, match="batch_size 9 is beyond the last bucket"):
-        sel.select(9)
-    with pytest.raises(ValueError, match="needs a preceding select"):
-        sel.update(SpecArm(2), 1.0)
-    with pytest.raises(ValueError, match="Unknown arm"):
-        sel.update(SpecArm(5), 1.0, batch_size=2)
-
-
-def test_bandit_history_records_decisions():
-    sel = BanditSelector(ARMS, seed=0)
-    run_bandit(sel, 10, random.Random(0), batch_size=3)
-    h = list(sel.history)
-    assert [e["step"] for e in h] == list(range(1, 11))
-    assert all(e["batch_size"] == 3 and e["reward"] is not None for e in h)
-    assert [e["reason"] for e in h[:4]] == ["untried"] * 4
 
 
 def test_bandit_state_dict_round_trip_reproduces_future():
@@ -313,36 +144,31 @@ def test_bandit_state_dict_round_trip_reproduces_future():
     rng = random.Random(9)
     for i in range(150):
         arm, _ = a.select(1 + i % 16)
-        a.update(arm, synthetic_reward(arm, rng))
+        a.update(arm, 1 + i % 16, synthetic_reward(arm, rng))
     state = json.loads(json.dumps(a.state_dict()))  # checkpoint-safe plain types
     b = BanditSelector(ARMS, buckets, epsilon=0.2, window=30, seed=999)
     b.load_state_dict(state)
-    assert b.counts() == a.counts() and b.step == a.step and list(b.history) == list(a.history)
+    assert b.state_dict() == a.state_dict()
     rng_a, rng_b = random.Random(3), random.Random(3)
     for i in range(200):
         arm_a, why_a = a.select(1 + i % 16)
         arm_b, why_b = b.select(1 + i % 16)
         assert (arm_a, why_a) == (arm_b, why_b)
-        a.update(arm_a, synthetic_reward(arm_a, rng_a))
-        b.update(arm_b, synthetic_reward(arm_b, rng_b))
+        a.update(arm_a, 1 + i % 16, synthetic_reward(arm_a, rng_a))
+        b.update(arm_b, 1 + i % 16, synthetic_reward(arm_b, rng_b))
     assert a.state_dict() == b.state_dict()
 
 
-def test_bandit_load_rejects_other_arms():
-    state = BanditSelector(ARMS).state_dict()
-    with pytest.raises(ValueError, match="speculation.bandit.arms"):
-        BanditSelector([SpecArm(0), SpecArm(3)]).load_state_dict(state)
+def test_bandit_load_rejects_other_buckets():
+    """A rerun `spectrain calibrate` moves the buckets under a run that resumes."""
+    state = BanditSelector(ARMS, buckets_by_verify_budget(ARMS, [9], verify_budget=48)).state_dict()
+    with pytest.raises(RunDirError, match="calibration.json"):
+        BanditSelector(ARMS, buckets_by_verify_budget(ARMS, [9], verify_budget=8)).load_state_dict(state)
 
 
 def test_accepted_tokens_per_second():
     assert accepted_tokens_per_second(3.0, 16, 0.5) == pytest.approx(96.0)
     assert accepted_tokens_per_second(1.0, 1, 0.01) == pytest.approx(100.0)
-    with pytest.raises(ValueError, match="acceptance rate"):
-        accepted_tokens_per_second(0.6, 8, 0.1)
-    with pytest.raises(ValueError, match="step_time must be > 0.0"):
-        accepted_tokens_per_second(2.0, 8, 0.0)
-    with pytest.raises(ValueError, match="batch_size must be >= 1"):
-        accepted_tokens_per_second(2.0, 0, 0.1)
 
 
 # ------------------------------------------------------------------ calibration
@@ -392,43 +218,19 @@ def test_calibration_unsorted_input_and_json(tmp_path):
 def test_calibration_flags_short_sweep():
     res = calibrate_verify_budget(roofline, [1, 4, 16, 64, 128, 256])
     assert res.verify_budget > 100 and not res.compute_bound_reached  # the fit starts at 64 < C, in the flat part
-    with pytest.raises(ValueError, match="never reached the compute-bound regime"):
+    with pytest.raises(ConfigError, match="never reached the compute-bound regime"):
         calibrate_verify_budget(roofline, [1, 4, 16, 64])
 
 
-def test_calibration_errors():
-    with pytest.raises(ValueError, match=">= 3 distinct"):
-        calibrate_verify_budget(roofline, [64, 128])
-    with pytest.raises(ValueError, match="token_counts entry must be >= 1"):
-        calibrate_verify_budget(roofline, [0, 64, 128])
-    with pytest.raises(ValueError, match=r"measure\(8\) must be > 0.0"):
-        calibrate_verify_budget(lambda n: 0.0, [8, 16, 32])
-    with pytest.raises(ValueError, match="fit_points must be >= 2"):
-        calibrate_verify_budget(roofline, [8, 16, 32], fit_points=1)
+def test_calibration_needs_three_batch_sizes():
+    """vLLM may run no larger batches (max_num_seqs, KV cache): the fix is a configured budget."""
+    with pytest.raises(ConfigError, match=r">= 3 distinct token counts, got \[64, 128\].*speculation.verify_budget=N"):
+        calibrate_verify_budget(roofline, [64, 128, 128])
 
 
 # ------------------------------------------------------------------ long tail
 
-def test_long_tail_thresholds():
-    on = LongTailPolicy(threshold=4, mode="on")
-    got = [on.should_train(b) for b in (0, 1, 3, 4, 5, 64)]
-    assert got == [False, True, True, False, False, False]
-    assert on.in_long_tail(3) and not on.in_long_tail(0)
-    off = LongTailPolicy(threshold=4, mode="off")
-    assert not any(off.should_train(b) for b in range(0, 10))
-
-
-def test_long_tail_max_steps_and_yaml_bools():
-    p = LongTailPolicy(threshold=8, mode=True, max_steps=2)
-    assert p.mode == "on"
-    assert [p.should_train(2, steps_taken=s) for s in range(4)] == [True, True, False, False]
-    assert LongTailPolicy(threshold=8, mode=False).mode == "off"
-
-
-def test_long_tail_validation():
-    with pytest.raises(ValueError, match="'off' or 'on'"):
-        LongTailPolicy(threshold=4, mode="auto")
-    with pytest.raises(ValueError, match="threshold must be >= 1"):
-        LongTailPolicy(threshold=0, mode="on")
-    with pytest.raises(ValueError, match="live_batch_size must be >= 0"):
-        LongTailPolicy(threshold=4, mode="on").should_train(-1)
+def test_long_tail_thresholds_and_max_steps():
+    policy = LongTailPolicy(threshold=4, max_steps=2)
+    assert [policy.should_train(b, 0) for b in (0, 1, 3, 4, 5, 64)] == [False, True, True, False, False, False]
+    assert [policy.should_train(2, steps_taken=s) for s in range(4)] == [True, True, False, False]

@@ -39,7 +39,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
 
-from spectrain.config import PP_STAGES_PER_RANK
+from spectrain.config.schema import PP_STAGES_PER_RANK
 from spectrain.models.llama import CausalLMOutput, LlamaConfig, LlamaForCausalLM
 from spectrain.parallel.cp.plan import (
     check_cp_attention_ops,

@@ -8,11 +8,15 @@ temperature (and top-k/top-p) over its draft tokens with `expand_kernel`; the CP
 real buffer is never written and the target distribution is computed from uninitialised
 temperatures (NaN or uniform rows). Greedy decoding never reads it, which is why greedy
 outputs stayed exact. This replacement has the Triton kernel's semantics for any dtype and
-is installed before the engine starts.
+is installed before the engine starts, after checking that the installed vLLM still has the bug.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
+
+from spectrain.rollout.vllm import compat
 
 
 def expand(output: torch.Tensor, input_val: torch.Tensor, cu_num_tokens: torch.Tensor, replace_from, replace_to,
@@ -24,8 +28,20 @@ def expand(output: torch.Tensor, input_val: torch.Tensor, cu_num_tokens: torch.T
     output[:total] = torch.repeat_interleave(values, counts).to(output.dtype)
 
 
-def install() -> None:
-    """Point vLLM's CPU kernel table at the fixed expansion (call before the engine starts)."""
-    from vllm.utils import cpu_triton_utils
+def drops_float_outputs(kernel) -> bool:
+    """Whether `kernel` leaves a float output unwritten: the bug, probed on two requests' temperatures."""
+    output = torch.zeros(4)
+    kernel(output, torch.tensor([0.5, 1.0]), torch.tensor([3, 4], dtype=torch.int32), 0, 0)
+    return not torch.equal(output, torch.tensor([0.5, 0.5, 0.5, 1.0]))
 
-    cpu_triton_utils._expand_kernel_impl = expand
+
+def install() -> None:
+    """Point vLLM's CPU kernel table at the fixed expansion (call before the engine starts), if it is still needed."""
+    kernel = compat.cpu_expand_kernel()
+    if kernel is expand:
+        return
+    if not drops_float_outputs(kernel):
+        warnings.warn(f"spectrain/rollout/vllm/cpu_fixes.py is no longer needed on vLLM {compat.installed_version()}: "
+                      f"its CPU expand kernel writes float outputs; remove the fix", stacklevel=2)
+        return
+    compat.replace_cpu_expand_kernel(expand)

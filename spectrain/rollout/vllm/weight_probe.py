@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from spectrain.rollout.vllm import compat
+
 PROBE_ROWS = 2
 SAMPLED_ENTRIES = 4096
 # vLLM's EAGLE-3 drafter names -> the checkpoint names the trainer sends
@@ -42,13 +44,12 @@ def report_engine_weights(worker, which: str) -> tuple[dict[str, tuple[str, torc
     Returns `{engine name: ("linear", output [rows, out]) | ("param", sampled entries)}` and the
     model's fused-layer map (e.g. `qkv_proj -> [q_proj, k_proj, v_proj]`).
     """
-    from vllm.model_executor.layers.linear import LinearBase
-
-    model = worker.model_runner.drafter.model if which == "draft" else worker.model_runner.model
+    linear_base = compat.internal("vllm.model_executor.layers.linear", "LinearBase")
+    model = compat.worker_model(worker, which)
     report: dict[str, tuple[str, torch.Tensor]] = {}
     with torch.no_grad():
         for name, module in model.named_modules():
-            if isinstance(module, LinearBase):
+            if isinstance(module, linear_base):
                 device = next((p.device for p in module.parameters()), torch.device("cpu"))
                 out = module(probe_input(name, module.input_size, module.params_dtype).to(device))
                 report[name] = ("linear", (out[0] if isinstance(out, tuple) else out).float().cpu())

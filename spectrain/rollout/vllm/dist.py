@@ -1,0 +1,16 @@
+"""vLLM's process groups in a multi-process run, built on every rank before rank 0 starts its engine."""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from spectrain.rollout.vllm import compat
+
+
+def prepare_process_groups() -> None:
+    """On every rank (collective), over the run's default process group.
+
+    vLLM joins an existing default process group and builds its groups over all of it with
+    `new_group`, which every rank must call; so all ranks build them here and rank 0's
+    in-process engine finds them ready.
+    """
+    compat.init_process_groups(dist.get_world_size(), dist.get_rank())
