@@ -24,10 +24,10 @@ from spectrain.parallel.plan import DraftInputs, LocalPlan, TrainPlan, ttt_valid
 from spectrain.batch import RolloutBatch, build_rollout_batch
 from spectrain.train.grpo import group_advantages, grpo_loss, minibatch_documents, token_logprobs
 from spectrain.rollout.engine import Completion, LoadStats, RolloutEngine, SamplingConfig, SpecDecodeCounters
-from spectrain.rollout.speculation.controllers import build_controller, uses_step_loop
+from spectrain.rollout.speculation.controllers import uses_step_loop
 from spectrain.rollout.speculation.long_tail import LongTailPolicy, LongTailTrainer
+from spectrain.rollout.speculation.stepwise import StepwiseRollouts
 from spectrain.train.draft_update import draft_update
-from spectrain.rollout.step_loop import SpecController, generate_stepwise
 
 
 @dataclass
@@ -59,9 +59,8 @@ class GRPOModule(L.LightningModule):
         self.plan: TrainPlan = LocalPlan()  # replaced by SpecParallelStrategy under dp/cp/pp
         self.draft_inputs: list[DraftInputs] = []  # left by the policy forward for DraftCoTraining
         self.rollout_stats: RolloutStats | None = None
-        self.speculation: SpecController | None = None  # built on the first rollout (adaptive modes)
-        self._speculation_state: dict | None = None  # from a checkpoint, until the controller exists
-        self.step_loop_metrics: dict[str, float] = {}  # of the last training rollout
+        # the step loop, when k adapts per engine step or the long tail trains the draft
+        self.stepwise = StepwiseRollouts(config) if uses_step_loop(config) else None
         self._warned_preemption = False
         # mean |trainer - engine| logprob of the last step's response tokens, over all ranks (NaN: none yet)
         self.engine_logprob_diff: float = float("nan")
@@ -155,22 +154,10 @@ class GRPOModule(L.LightningModule):
     # adaptive speculation and long-tail spot updates (spectrain/rollout/speculation/) --------------
     def generate_rollout(self, prompts: list[list[int]], sampling: SamplingConfig, train_in_tail: bool):
         """`engine.generate`, or the step loop when `k` adapts per step or the long tail trains the draft."""
-        if not uses_step_loop(self.config):
+        if self.stepwise is None:
             return self.engine.generate(prompts, sampling)
-        if self.speculation is None and self.config.speculation.mode != "fixed":
-            self.speculation = build_controller(self.config, self.engine, self.config.trainer.run_dir)
-            if self._speculation_state is not None:
-                self.speculation.load_state_dict(self._speculation_state)
-        spot = self.long_tail_trainer() if train_in_tail else None
-        result = generate_stepwise(self.engine, prompts, sampling, self.speculation, spot)
-        steps = max(len(result.trace), 1)
-        self.step_loop_metrics = {"rollout/engine_steps": float(len(result.trace)),
-                                  "spec/k_mean": sum(r.k for r in result.trace) / steps}
-        if spot is not None:
-            self.step_loop_metrics.update({"spot/draft_steps": float(spot.steps), "spot/seconds": spot.seconds})
-        if self.speculation is not None:
-            self.step_loop_metrics.update(self.speculation.rollout_metrics())
-        return result.completions
+        return self.stepwise.generate(self.engine, prompts, sampling,
+                                      self.long_tail_trainer() if train_in_tail else None)
 
     def long_tail_trainer(self) -> LongTailTrainer | None:
         """Spot updates of the draft on the previous step's taps; None until there are taps to train on."""
@@ -182,14 +169,13 @@ class GRPOModule(L.LightningModule):
             grad_clip=d.grad_clip, backward=self.manual_backward))
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        state = self.speculation.state_dict() if self.speculation is not None else self._speculation_state
+        state = self.stepwise.state_dict() if self.stepwise is not None else None
         if state:
             checkpoint["speculation_controller"] = state
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self._speculation_state = checkpoint.get("speculation_controller")
-        if self.speculation is not None and self._speculation_state:
-            self.speculation.load_state_dict(self._speculation_state)
+        if self.stepwise is not None:
+            self.stepwise.load_state_dict(checkpoint.get("speculation_controller"))
 
     def seed_sampling(self, purpose: str) -> None:
         """Re-seed torch's global RNG from (seed, purpose, step) before a rollout.
@@ -244,8 +230,8 @@ class GRPOModule(L.LightningModule):
             "rollout/mean_response_len": batch.num_response_tokens / batch.num_docs,
         }, on_step=True, batch_size=len(examples))
         self.log("reward_mean", rewards.mean(), prog_bar=True, on_step=True, batch_size=len(examples), logger=False)
-        if self.step_loop_metrics:
-            self.log_dict(self.step_loop_metrics, on_step=True, batch_size=1)
+        if self.stepwise is not None:
+            self.log_dict(self.stepwise.metrics, on_step=True, batch_size=1)
         self.log_rollout_load(self.rollout_stats.load)
         return mean("loss")
 

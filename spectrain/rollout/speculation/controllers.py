@@ -1,8 +1,8 @@
 """Who sets `k` before each engine step of the step loop, and how a config picks one.
 
 Controllers answer `before_step(live) -> k` and see each step's `StepRecord`
-(`spectrain.rollout.step_loop.generate_stepwise`). `GRPOModule` builds one with
-`build_controller` when `speculation.mode` is not `fixed`.
+(`spectrain.rollout.step_loop.generate_stepwise`). `StepwiseRollouts` (stepwise.py) builds one
+with `build_controller` when `speculation.mode` is not `fixed`.
 """
 from __future__ import annotations
 
