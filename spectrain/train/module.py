@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
 
 from spectrain.config import SpecTrainConfig
 from spectrain.models.llama import LlamaForCausalLM
@@ -74,6 +75,7 @@ class GRPOModule(L.LightningModule):
     def trains_draft(self) -> bool:
         return self.draft is not None and self.config.draft.mode == "cotrained"
 
+    @override
     def configure_optimizers(self):
         g = self.config.grpo
         policy_opt = torch.optim.AdamW(self.policy.parameters(), lr=g.lr, weight_decay=g.weight_decay)
@@ -95,6 +97,7 @@ class GRPOModule(L.LightningModule):
         """The dtype of the teacher logits and draft loss (the policy's, at least float32)."""
         return torch.promote_types(next(self.policy.parameters()).dtype, torch.float32)
 
+    @override
     def transfer_batch_to_device(self, batch, device, dataloader_idx):
         return batch  # prompts are strings: nothing to move, and Lightning rejects frozen dataclasses
 
@@ -168,11 +171,13 @@ class GRPOModule(L.LightningModule):
             self.draft, self.draft_optimizer(), self.draft_inputs, ttt_passes=d.ttt_passes, pass_decay=d.pass_decay,
             grad_clip=d.grad_clip, backward=self.manual_backward))
 
+    @override
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         state = self.stepwise.state_dict() if self.stepwise is not None else None
         if state:
             checkpoint["speculation_controller"] = state
 
+    @override
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if self.stepwise is not None:
             self.stepwise.load_state_dict(checkpoint.get("speculation_controller"))
@@ -185,6 +190,7 @@ class GRPOModule(L.LightningModule):
         """
         torch.manual_seed(zlib.crc32(f"{self.config.trainer.seed}:{purpose}:{self.global_step}".encode()))
 
+    @override
     def training_step(self, examples, batch_idx):
         g = self.config.grpo
         self.seed_sampling("train")
