@@ -2,7 +2,9 @@
 import csv
 
 import torch
+from torch import nn
 
+from spectrain.models.eagle3 import Eagle3Config, Eagle3Draft, build_vocab_mapping
 from spectrain.models.llama import LlamaConfig, LlamaForCausalLM
 from spectrain.tasks.tokenizer import CharTokenizer
 
@@ -34,3 +36,19 @@ def tiny_policy(seed: int = 0) -> LlamaForCausalLM:
                                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                                          max_position_embeddings=128, initializer_range=0.2))
     return model
+
+
+class StandInModule(nn.Module):
+    """What the plans and `draft_loss` read of a GRPOModule (policy, draft, draft_inputs), in float64."""
+
+    def __init__(self, policy: dict, tap_layers: tuple[int, ...], seed: int, draft_vocab_size: int = 24) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.policy = LlamaForCausalLM(LlamaConfig(**policy)).double()
+        self.draft = Eagle3Draft(Eagle3Config.from_policy(self.policy.cfg, tap_layers=tap_layers,
+                                                          draft_vocab_size=draft_vocab_size)).double()
+        with torch.no_grad():  # O(1) weights, so every term of the losses matters
+            for p in self.parameters():
+                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+        self.draft.set_vocab_mapping(*build_vocab_mapping(torch.rand(policy["vocab_size"]), draft_vocab_size))
+        self.draft_inputs = []

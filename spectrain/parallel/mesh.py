@@ -7,11 +7,17 @@ Code takes the group it needs from the mesh (``mesh["cp"].get_group()``), never 
 from __future__ import annotations
 
 import os
+from collections import defaultdict
 
+import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from spectrain.parallel.torch_compat import flatten_dense_tensors, unflatten_dense_tensors
+
 MESH_DIMS = ("pp", "dp", "cp")
+ROLLOUT_RANK = 0  # global rank that drives the engine (mesh coordinate (0, 0, 0))
 
 
 def world_size() -> int:
@@ -37,3 +43,25 @@ def build_mesh(pp: int, dp: int, cp: int, device_type: str = "cpu") -> DeviceMes
     """A ``pp x dp x cp`` mesh over every process; the sizes must multiply to the world size."""
     check_mesh_shape(pp, dp, cp, world_size())
     return init_device_mesh(device_type, (pp, dp, cp), mesh_dim_names=MESH_DIMS)
+
+
+def by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Tensors grouped by dtype, groups and members in first-seen order (flat collectives need one dtype)."""
+    groups: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        groups[t.dtype].append(t)
+    return list(groups.values())
+
+
+def all_reduce_gradients(module: nn.Module, group: dist.ProcessGroup) -> None:
+    """Sum `module`'s gradients over `group`, in place, one flat all-reduce per dtype.
+
+    Every rank of `group` must have gradients for the same parameters (they run the same graph).
+    """
+    if dist.get_world_size(group) == 1:
+        return
+    for bucket in by_dtype([p.grad for p in module.parameters() if p.grad is not None]):
+        flat = flatten_dense_tensors(bucket)
+        dist.all_reduce(flat, group=group)
+        for g, summed in zip(bucket, unflatten_dense_tensors(flat, bucket)):
+            g.copy_(summed)

@@ -18,18 +18,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch.distributed.device_mesh import DeviceMesh
+from typing_extensions import override
 
 from spectrain.config.schema import ParallelConfig
+from spectrain.errors import SpecTrainError
+from spectrain.parallel.lightning_compat import check_private_hooks, optimizers_to_device, sync_ddp_if_available
 from spectrain.parallel.mesh import build_mesh, check_mesh_shape, world_size
 
 STRATEGY_NAME = "spec_parallel"
+
+
+class NotLaunchedError(SpecTrainError):
+    """The strategy runs in a process torchrun did not start (it needs one process per mesh rank)."""
 
 
 def relaunch_under_torchrun(nproc: int, cli_args: list[str]) -> int:
@@ -64,6 +69,10 @@ def relaunch_under_torchrun(nproc: int, cli_args: list[str]) -> int:
 class SpecParallelStrategy(ParallelStrategy):
     """Processes, mesh and plan of a multi-process run; no DDP wrapper.
 
+    Registered as "spec_parallel" with the default `ParallelConfig` (a single process: pp = dp =
+    cp = 1); a run's mesh sizes come from its recipe, so `SpecTrainer` builds the strategy
+    itself from `config.parallel` and hands the instance to the Trainer.
+
     Args:
         parallel: mesh sizes (and the pipeline settings the pp plan reads).
         process_group_backend: default gloo on CPU, ``cpu:gloo,cuda:nccl`` on GPU (object
@@ -72,6 +81,7 @@ class SpecParallelStrategy(ParallelStrategy):
 
     def __init__(self, parallel: ParallelConfig | None = None, process_group_backend: str | None = None,
                  timeout: timedelta = timedelta(minutes=30), **kwargs: Any) -> None:
+        check_private_hooks(ParallelStrategy, "_configure_launcher")
         if kwargs.get("cluster_environment") is None and TorchElasticEnvironment.detect():
             kwargs["cluster_environment"] = TorchElasticEnvironment()  # ranks are known before the Trainer exists
         super().__init__(**kwargs)
@@ -125,33 +135,49 @@ class SpecParallelStrategy(ParallelStrategy):
 
         return ContextParallelPlan(self.mesh)
 
-    def connect(self, module) -> None:
-        """Hand the plan to a GRPOModule: checks, replica sync (`plan.prepare`), `module.plan`."""
+    @override
+    def connect(self, model) -> None:
+        """Lightning's hook (attach the module), and hand it the plan once the mesh exists.
+
+        `SpecTrainer` calls it after `setup_distributed`, before the Trainer exists (the warm-start
+        eval already runs under the plan); a plain Lightning run gets the plan in `setup`.
+        """
+        super().connect(model)
+        if self._plan is not None and getattr(model, "plan", None) is not self._plan:
+            self._attach_plan(model)
+
+    def _attach_plan(self, module) -> None:
+        """Checks and replica sync (`plan.prepare`, collective), then `module.plan`."""
         self.plan.prepare(module)
         module.plan = self.plan
 
     # Lightning ---------------------------------------------------------------------------
     @property
+    @override
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None, "parallel_devices are set by the Trainer (devices=...)"
         return self.parallel_devices[self.local_rank]
 
+    @override
     def set_world_ranks(self) -> None:
         # torchrun fixed the ranks; Lightning's rank-zero-only loggers and prints must agree
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
+    @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            raise RuntimeError(
+            raise NotLaunchedError(
                 f"{type(self).__name__} needs one process per mesh rank, started by torchrun: run "
                 f"`spectrain fit RECIPE parallel.cp=N` (it launches them) or "
                 f"`torchrun --nproc-per-node N -m spectrain.cli fit RECIPE parallel.cp=N`")
 
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         self.setup_distributed()
 
+    @override
     def setup(self, trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
@@ -162,17 +188,20 @@ class SpecParallelStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
-        self.connect(self.lightning_module)
+            optimizers_to_device(self.optimizers, self.root_device)
+        self._attach_plan(self.lightning_module)  # again: a restored checkpoint is rank 0's on every replica
 
+    @override
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
 
+    @override
     def barrier(self, name: str | None = None) -> None:
         if dist.is_initialized():
             dist.barrier()
 
+    @override
     def broadcast(self, obj, src: int = 0):
         if not dist.is_initialized():
             return obj
@@ -180,11 +209,17 @@ class SpecParallelStrategy(ParallelStrategy):
         dist.broadcast_object_list(box, src=src)
         return box[0]
 
+    @override
     def reduce(self, tensor, group: Any | None = None, reduce_op: Any | None = "mean"):
         """In place, like DDP's (clone what you still need)."""
-        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if isinstance(tensor, torch.Tensor) \
+        return sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if isinstance(tensor, torch.Tensor) \
             else tensor
 
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry) -> None:
+        strategy_registry.register(STRATEGY_NAME, cls,
+                                   description="spectrain dp x cp x pp plans over one named mesh, no DDP wrapper")
 
-StrategyRegistry.register(STRATEGY_NAME, SpecParallelStrategy,
-                          description="spectrain dp x cp x pp plans over one named mesh, no DDP wrapper")
+
+SpecParallelStrategy.register_strategies(StrategyRegistry)

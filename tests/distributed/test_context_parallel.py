@@ -14,13 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from spectrain.train.draft_update import draft_loss
 from spectrain.parallel.spawn import run_distributed
 from spectrain.config import ConfigError, load_config
-from spectrain.models.eagle3 import Eagle3Config, Eagle3Draft, build_vocab_mapping
-from spectrain.models.llama import LlamaConfig, LlamaForCausalLM
 from spectrain.ops.attention import LocalAttentionOps
 from spectrain.parallel.cp.plan import ContextParallelPlan, check_cp_attention_ops, dp_documents
 from spectrain.parallel.mesh import build_mesh, check_mesh_shape
@@ -29,6 +26,7 @@ from spectrain.parallel.cp.ring import ZigzagRingAttentionOps
 from spectrain.batch import build_rollout_batch
 from spectrain.train.grpo import grpo_loss
 from spectrain.rollout.engine import Completion
+from tests.helpers import StandInModule
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICY = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=4, num_attention_heads=4,
@@ -38,20 +36,8 @@ TTT_STEPS, PASS_DECAY = 3, 0.8
 TOL = dict(rtol=1e-10, atol=1e-12)
 
 
-class _Models(nn.Module):
-    """What the plan and draft_loss see of a GRPOModule."""
-
-    def __init__(self, seed: int = 0) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.policy = LlamaForCausalLM(LlamaConfig(**POLICY)).double()
-        self.draft = Eagle3Draft(Eagle3Config.from_policy(self.policy.cfg, tap_layers=CAPTURE,
-                                                          draft_vocab_size=24)).double()
-        with torch.no_grad():  # O(1) weights, so every term of the losses matters
-            for p in self.parameters():
-                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
-        self.draft.set_vocab_mapping(*build_vocab_mapping(torch.rand(POLICY["vocab_size"]), 24))
-        self.draft_inputs = []
+def _models(seed: int) -> StandInModule:
+    return StandInModule(POLICY, CAPTURE, seed)
 
 
 def _batch():
@@ -96,7 +82,7 @@ def _step(plan, models, batch, reduce):
 
 
 def _plan_worker(rank, world, dp, cp):
-    models = _Models(seed=rank)  # different weights per rank: prepare() must make them rank 0's
+    models = _models(seed=rank)  # different weights per rank: prepare() must make them rank 0's
     plan = ContextParallelPlan(build_mesh(1, dp, cp))
     plan.prepare(models)
     assert plan.hosts_draft and plan.is_rollout_rank == (rank == 0)
@@ -111,7 +97,7 @@ def _plan_worker(rank, world, dp, cp):
 
 
 def _reference():
-    models = _Models(seed=0)
+    models = _models(seed=0)
     return _step(LocalPlan(), models, _batch(), reduce=lambda t: t)
 
 
@@ -188,14 +174,6 @@ def test_attention_backend_without_cp_support_fails_before_work():
         check_cp_attention_ops(ForwardOnly())
     with pytest.raises(TypeError, match="already ring attention"):
         check_cp_attention_ops(ZigzagRingAttentionOps.__new__(ZigzagRingAttentionOps))
-
-
-def test_strategy_is_registered():
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    from spectrain.parallel.strategy import STRATEGY_NAME, SpecParallelStrategy
-
-    assert StrategyRegistry[STRATEGY_NAME]["strategy"] is SpecParallelStrategy
 
 
 # ---------------------------------------------------------------------------------- spectrain fit

@@ -12,13 +12,11 @@ import torch.nn.functional as F
 from spectrain.parallel.spawn import run_distributed
 
 from spectrain.models.llama import LlamaConfig, LlamaForCausalLM, pack_sequences
+from spectrain.parallel.pp.runner import PipelineRunner, make_tap_channel, split_microbatches
 from spectrain.parallel.pp.stages import (
     EMBEDS_TAP,
-    PipelineRunner,
     layer_tap_name,
     local_stage_indices,
-    make_tap_channel,
-    plan_microbatches,
     split_policy,
     stage_layer_ids,
     tap_names_by_stage,
@@ -106,7 +104,7 @@ def test_stage_split_keeps_hf_names_and_matches_model():
         torch.testing.assert_close(taps[layer_tap_name(layer)], aux, rtol=0, atol=0)
 
 
-def test_tap_plan_dedups_and_orders():
+def test_tap_names_dedup_and_order():
     assert tap_names_by_stage(4, 2, (2, 2, 1)) == {0: (EMBEDS_TAP, "layers.1"), 1: ("layers.2",)}
     assert tap_names_by_stage(4, 2, ()) == {0: (), 1: ()}
     assert local_stage_indices(1, 2, 2) == [1, 3]
@@ -125,19 +123,19 @@ def test_split_errors_name_the_fix():
         split_policy(tied, 2, 0)
 
 
-def test_plan_microbatches():
+def test_split_microbatches():
     cu = _batch().cu_seqlens
-    groups = plan_microbatches(cu, 4, TOKENS_PER_MB)
+    groups = split_microbatches(cu, 4, TOKENS_PER_MB)
     assert sum(groups, []) == list(range(len(DOC_LENGTHS))) and len(groups) == 4 and all(groups)
     lengths = torch.tensor(DOC_LENGTHS)
     assert all(int(lengths[g].sum()) <= TOKENS_PER_MB for g in groups)
-    assert plan_microbatches(cu, 8, TOKENS_PER_MB) == [[i] for i in range(8)]
+    assert split_microbatches(cu, 8, TOKENS_PER_MB) == [[i] for i in range(8)]
     with pytest.raises(ValueError, match="cannot fill 9 microbatches"):
-        plan_microbatches(cu, 9, TOKENS_PER_MB)
+        split_microbatches(cu, 9, TOKENS_PER_MB)
     with pytest.raises(ValueError, match="raise tokens_per_microbatch or n_microbatches"):
-        plan_microbatches(cu, 2, 24)
+        split_microbatches(cu, 2, 24)
     with pytest.raises(ValueError, match="exceeds tokens_per_microbatch=8"):
-        plan_microbatches(cu, 4, 8)
+        split_microbatches(cu, 4, 8)
 
 
 @pytest.fixture
@@ -239,7 +237,7 @@ def test_pipeline_matches_single_process():
         for name, g in grads.items():
             torch.testing.assert_close(g, ref_grads[name], **TOL, msg=f"{key} grad {name}")
         torch.testing.assert_close(got["draft_grad"], ref_draft_grad, **TOL, msg=f"{key} draft grad")
-        groups = plan_microbatches(cu, key[1], TOKENS_PER_MB)
+        groups = split_microbatches(cu, key[1], TOKENS_PER_MB)
         assert len(got["taps"]) == len(groups)
         for g, (embeds, aux) in zip(groups, got["taps"]):  # microbatches arrive in order
             rows = torch.arange(int(cu[g[0]]), int(cu[g[-1] + 1]))

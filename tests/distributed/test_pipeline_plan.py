@@ -10,18 +10,16 @@ zigzag sharding only reorder sums.
 import pytest
 import torch
 from spectrain.parallel.spawn import run_distributed
-from torch import nn
 
 from spectrain.config import ConfigError, load_config
-from spectrain.models.eagle3 import Eagle3Config, Eagle3Draft, build_vocab_mapping
-from spectrain.models.llama import LlamaConfig, LlamaForCausalLM
 from spectrain.parallel.mesh import build_mesh
-from spectrain.parallel.pp.stages import plan_microbatches
+from spectrain.parallel.pp.runner import split_microbatches
 from spectrain.parallel.pp.plan import PipelinePlan, concat_batches, microbatch_budget
 from spectrain.parallel.plan import LocalPlan
 from spectrain.batch import build_rollout_batch
 from spectrain.train.grpo import grpo_loss
 from spectrain.rollout.engine import Completion
+from tests.helpers import StandInModule
 
 POLICY = dict(vocab_size=32, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64)
@@ -31,20 +29,8 @@ MAX_NORM, LR = 1e-2, 0.1  # MAX_NORM is far below the gradient norm: clipping al
 TOL = dict(rtol=1e-10, atol=1e-12)
 
 
-class _Models(nn.Module):
-    """The stand-in GRPOModule: what the plan and `draft_loss` read (policy, draft, draft_inputs)."""
-
-    def __init__(self, seed: int) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.policy = LlamaForCausalLM(LlamaConfig(**POLICY)).double()
-        self.draft = Eagle3Draft(Eagle3Config.from_policy(self.policy.cfg, tap_layers=CAPTURE,
-                                                          draft_vocab_size=24)).double()
-        with torch.no_grad():  # O(1) weights, so every term of the losses matters
-            for p in self.parameters():
-                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
-        self.draft.set_vocab_mapping(*build_vocab_mapping(torch.rand(POLICY["vocab_size"]), 24))
-        self.draft_inputs = []
+def _models(seed: int) -> StandInModule:
+    return StandInModule(POLICY, CAPTURE, seed)
 
 
 def _batch():
@@ -103,14 +89,14 @@ def _step(plan, models, batch):
 
 
 def _reference():
-    models = _Models(seed=0)
+    models = _models(seed=0)
     return _step(LocalPlan(), models, _batch())
 
 
 def _pp_worker(rank, world, cases):
     outs = []
     for (pp, dp, cp), schedule, n_mb in cases:
-        models = _Models(seed=rank)  # different weights per rank: prepare() must make them rank 0's
+        models = _models(seed=rank)  # different weights per rank: prepare() must make them rank 0's
         plan = PipelinePlan(build_mesh(pp, dp, cp), schedule, n_mb)
         plan.prepare(models)
         assert plan.share({"from": rank}) == {"from": 0}
@@ -183,16 +169,16 @@ def test_microbatch_budget_is_the_smallest_fitting_multiple():
     for n_mb in (1, 2, 4, 8):
         budget = microbatch_budget(cu, n_mb, multiple=8)
         assert budget % 8 == 0
-        plan_microbatches(cu, n_mb, budget)
+        split_microbatches(cu, n_mb, budget)
         with pytest.raises(ValueError):
-            plan_microbatches(cu, n_mb, budget - 8)
+            split_microbatches(cu, n_mb, budget - 8)
     with pytest.raises(ValueError, match="cannot fill 9 microbatches"):
         microbatch_budget(cu, 9)
 
 
 def test_concat_batches_undoes_select():
     batch = _batch()
-    parts = [batch.select(g) for g in plan_microbatches(batch.cu_seqlens, 3, 64)]
+    parts = [batch.select(g) for g in split_microbatches(batch.cu_seqlens, 3, 64)]
     joined = concat_batches(parts, batch)
     for name in ("input_ids", "position_ids", "cu_seqlens", "targets", "response_mask", "advantages"):
         assert torch.equal(getattr(joined, name), getattr(batch, name)), name

@@ -1,9 +1,9 @@
-"""Zigzag CP layout: chunks, padding, shard/unshard, shift plans, errors (single process)."""
+"""Zigzag CP layout: chunks, padding, shard/unshard, shift routes, errors (single process)."""
 
 import pytest
 import torch
 
-from spectrain.parallel.cp.zigzag import ShiftPlan, ZigzagLayout, shard, shift_left, unshard
+from spectrain.parallel.cp.zigzag import ShiftRoutes, ZigzagLayout, shard, shift_left, unshard
 
 LENS = [5, 37, 64, 18]
 
@@ -81,31 +81,31 @@ def test_empty_document_and_cp1_is_identity():
 
 
 def _simulate_shift(layouts, xs, shift, fill):
-    """Run every rank's ShiftPlan with the sends delivered in memory."""
-    plans = [ShiftPlan.build(lay, shift) for lay in layouts]
+    """Run every rank's ShiftRoutes with the sends delivered in memory."""
+    routes = [ShiftRoutes.build(lay, shift) for lay in layouts]
     outs = []
-    for me, (plan, x) in enumerate(zip(plans, xs)):
+    for me, (mine, x) in enumerate(zip(routes, xs)):
         out = torch.empty_like(x)
-        out[plan.fill_rows] = fill
-        out[plan.local_dst] = x[plan.local_src]
-        for peer, dst in plan.recv.items():
-            out[dst] = xs[peer][plans[peer].send[me]]
+        out[mine.fill_rows] = fill
+        out[mine.local_dst] = x[mine.local_src]
+        for peer, dst in mine.recv.items():
+            out[dst] = xs[peer][routes[peer].send[me]]
         outs.append(out)
-    return plans, outs
+    return routes, outs
 
 
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("shift", [1, 3, 7, -2])
-def test_shift_plan_matches_global_shift(cp, shift):
+def test_shift_routes_match_global_shift(cp, shift):
     cu = cu_of(LENS)  # the 5-token doc has chunk length 1 at cp=4: shifts span several ranks
     x = torch.randn(sum(LENS), 2)
     layouts = [ZigzagLayout.build(cu, cp, r) for r in range(cp)]
-    plans, outs = _simulate_shift(layouts, [shard(x, lay) for lay in layouts], shift, -1.0)
+    routes, outs = _simulate_shift(layouts, [shard(x, lay) for lay in layouts], shift, -1.0)
     ref = [shard(global_shift(x, cu, shift, -1.0), lay, pad_value=-1.0) for lay in layouts]
     for out, r in zip(outs, ref):
         assert torch.equal(out, r)
     # only boundary rows travel: at most |shift| rows per chunk
-    n_recv = [sum(len(d) for d in p.recv.values()) for p in plans]
+    n_recv = [sum(len(d) for d in p.recv.values()) for p in routes]
     assert max(n_recv) <= 2 * abs(shift) * len(LENS)
 
 

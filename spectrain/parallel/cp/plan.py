@@ -10,21 +10,18 @@ gradients over all dp x cp ranks gives exactly the single-process gradients.
 """
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from spectrain.models.llama import LlamaForCausalLM
-from spectrain.parallel.mesh import MESH_DIMS
+from spectrain.parallel.mesh import MESH_DIMS, ROLLOUT_RANK, all_reduce_gradients
 from spectrain.parallel.plan import LocalPlan, PolicyStepResult, ShiftFn, draft_inputs_from, ttt_valid_tokens
 from spectrain.parallel.cp.ring import ZigzagRingAttentionOps
 from spectrain.parallel.cp.zigzag import ZigzagLayout, shard, shift_left
+from spectrain.parallel.torch_compat import flatten_mesh
 from spectrain.batch import RolloutBatch
-
-ROLLOUT_RANK = 0  # global rank that drives the engine
 
 
 def check_cp_attention_ops(ops) -> None:
@@ -98,7 +95,7 @@ class ContextParallelPlan:
         self.dp_size, self.dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
         self.cp_size, self.cp_rank = mesh["cp"].size(), mesh["cp"].get_local_rank()
         self.cp_group = mesh["cp"].get_group()
-        self.replica_group = mesh["dp", "cp"]._flatten("dp_cp").get_group()  # all ranks holding a replica
+        self.replica_group = flatten_mesh(mesh["dp", "cp"], "dp_cp").get_group()  # all ranks holding a replica
         self.is_rollout_rank = dist.get_rank() == ROLLOUT_RANK
 
     def prepare(self, module: nn.Module) -> None:
@@ -137,19 +134,8 @@ class ContextParallelPlan:
         return PolicyStepResult(step_loss, logprobs.detach(), local, inputs)
 
     def reduce_gradients(self, module: nn.Module) -> None:
-        """Sum gradients over all replicas, one flat all-reduce per dtype.
-
-        Every rank runs the same graph, so every rank has gradients for the same parameters.
-        """
-        buckets: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
-        for p in module.parameters():
-            if p.grad is not None:
-                buckets[p.grad.dtype].append(p.grad)
-        for grads in buckets.values():
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.replica_group)
-            for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
-                g.copy_(summed.view_as(g))
+        """Sum gradients over all replicas (every rank runs the same graph: the same parameters have them)."""
+        all_reduce_gradients(module, self.replica_group)
 
     def clip_grad_norm(self, module: nn.Module, max_norm: float) -> torch.Tensor:
         # gradients are identical on every replica after reduce_gradients: the local norm is the global one

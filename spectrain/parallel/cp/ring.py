@@ -104,7 +104,7 @@ class _Step:
     causal: bool
 
     @classmethod
-    def plan(cls, step: int, rank: int, cu_seqlens: Tensor, h: _Halves) -> "_Step":
+    def at(cls, step: int, rank: int, cu_seqlens: Tensor, h: _Halves) -> "_Step":
         if step == 0:
             return cls(None, None, cu_seqlens, cu_seqlens, True)
         if step <= rank:  # K/V of an earlier rank: all queries see its front chunk only
@@ -156,7 +156,7 @@ class ZigzagRingAttentionOps:
         h = self._halves(q, k, v, cu_seqlens_q, cu_seqlens_k, causal)
         out = lse = None
         for step, kv in self._held_kv(torch.stack([k, v])):
-            st = _Step.plan(step, self.rank, cu_seqlens_q, h)
+            st = _Step.at(step, self.rank, cu_seqlens_q, h)
             out, lse = self._step_forward(st, kv, q, out, lse, scale)
         return out.to(q.dtype), lse
 
@@ -196,7 +196,7 @@ class ZigzagRingAttentionOps:
         acc = _acc_dtype(q)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         for step, kv in self._held_kv(torch.stack([k, v])):
-            st = _Step.plan(step, self.rank, cu_seqlens_q, h)
+            st = _Step.at(step, self.rank, cu_seqlens_q, h)
             dq_b, dkv_b = self._step_backward(st, kv, dout, q, out, lse, scale)
             _add_rows(dq, st.q_rows, dq_b)
             # dK/dV of the held K/V: add our part to the accumulator that arrived with it.

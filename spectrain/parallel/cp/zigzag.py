@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["ZigzagLayout", "ShiftPlan", "shard", "unshard", "gather_unshard", "shift_left"]
+__all__ = ["ZigzagLayout", "ShiftRoutes", "shard", "unshard", "gather_unshard", "shift_left"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,7 +52,7 @@ class ZigzagLayout:
     global_index: Tensor
     valid: Tensor
     doc_ids: Tensor
-    _shift_plans: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _shift_routes: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def build(
@@ -121,11 +121,11 @@ class ZigzagLayout:
             self.cu_seqlens, self.cp_size, cp_rank, device=self.cu_seqlens.device
         )
 
-    def shift_plan(self, shift: int) -> "ShiftPlan":
-        """The (cached) exchange plan of :func:`shift_left` for this shift."""
-        if shift not in self._shift_plans:
-            self._shift_plans[shift] = ShiftPlan.build(self, shift)
-        return self._shift_plans[shift]
+    def shift_routes(self, shift: int) -> "ShiftRoutes":
+        """The (cached) row routes of :func:`shift_left` for this shift."""
+        if shift not in self._shift_routes:
+            self._shift_routes[shift] = ShiftRoutes.build(self, shift)
+        return self._shift_routes[shift]
 
 
 def _check_cu_seqlens(cu_seqlens: Tensor) -> Tensor:
@@ -203,7 +203,7 @@ def gather_unshard(x: Tensor, layout: ZigzagLayout, group: dist.ProcessGroup) ->
 
 
 @dataclass(frozen=True, eq=False)
-class ShiftPlan:
+class ShiftRoutes:
     """Rows moved by ``shift_left``: local copies plus one send/recv list per peer rank.
 
     ``recv[peer]`` are the local rows filled from ``peer``; ``send[peer]`` the local rows
@@ -219,7 +219,7 @@ class ShiftPlan:
     send: dict[int, Tensor]
 
     @classmethod
-    def build(cls, layout: ZigzagLayout, shift: int) -> "ShiftPlan":
+    def build(cls, layout: ZigzagLayout, shift: int) -> "ShiftRoutes":
         cu = layout.cu_seqlens.cpu()
         lens = cu.diff()
         chunk = (lens + 2 * layout.cp_size - 1) // (2 * layout.cp_size)
@@ -280,29 +280,29 @@ def shift_left(
             raise ValueError("shift_left needs the CP process group of the layout")
         assert dist.get_rank(group) == layout.cp_rank, (dist.get_rank(group), layout.cp_rank)
     assert x.shape[0] == layout.num_local_tokens, (x.shape, layout.num_local_tokens)
-    return _ShiftLeft.apply(x, layout.shift_plan(shift), group, fill)
+    return _ShiftLeft.apply(x, layout.shift_routes(shift), group, fill)
 
 
 class _ShiftLeft(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, plan: ShiftPlan, group, fill) -> Tensor:
-        ctx.plan, ctx.group, ctx.n = plan, group, x.shape[0]
+    def forward(ctx, x: Tensor, routes: ShiftRoutes, group, fill) -> Tensor:
+        ctx.routes, ctx.group, ctx.n = routes, group, x.shape[0]
         out = torch.empty_like(x)
-        out[plan.fill_rows] = fill
-        out[plan.local_dst] = x[plan.local_src]
-        received = _exchange(x, plan.send, plan.recv, group)
-        for peer, dst in plan.recv.items():
+        out[routes.fill_rows] = fill
+        out[routes.local_dst] = x[routes.local_src]
+        received = _exchange(x, routes.send, routes.recv, group)
+        for peer, dst in routes.recv.items():
             out[dst] = received[peer]
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        plan = ctx.plan
+        routes = ctx.routes
         dx = grad.new_zeros((ctx.n, *grad.shape[1:]))
-        dx.index_add_(0, plan.local_src, grad[plan.local_dst])
+        dx.index_add_(0, routes.local_src, grad[routes.local_dst])
         # The transpose: gradients of received rows go back to where the rows came from.
-        returned = _exchange(grad, plan.recv, plan.send, ctx.group)
-        for peer, src in plan.send.items():
+        returned = _exchange(grad, routes.recv, routes.send, ctx.group)
+        for peer, src in routes.send.items():
             dx.index_add_(0, src, returned[peer])
         return dx, None, None, None
 

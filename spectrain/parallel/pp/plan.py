@@ -30,13 +30,11 @@ microbatch beyond the tightest fit) and the number of runners kept.
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import fields
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
 
 from spectrain.config.schema import PP_STAGES_PER_RANK
@@ -47,14 +45,9 @@ from spectrain.parallel.cp.plan import (
     shard_batch,
     zigzag_shift_fn,
 )
-from spectrain.parallel.mesh import MESH_DIMS
-from spectrain.parallel.pp.stages import (
-    PipelineRunner,
-    local_stage_indices,
-    make_tap_channel,
-    plan_microbatches,
-    split_policy,
-)
+from spectrain.parallel.mesh import MESH_DIMS, ROLLOUT_RANK, all_reduce_gradients, by_dtype
+from spectrain.parallel.pp.runner import PipelineRunner, make_tap_channel, split_microbatches
+from spectrain.parallel.pp.stages import local_stage_indices, split_policy
 from spectrain.parallel.plan import (
     LocalPlan,
     PolicyLossFn,
@@ -65,27 +58,27 @@ from spectrain.parallel.plan import (
 from spectrain.parallel.cp.ring import ZigzagRingAttentionOps
 from spectrain.parallel.pp.tap_channel import TapChannel, new_tap_group
 from spectrain.parallel.cp.zigzag import ZigzagLayout
+from spectrain.parallel.torch_compat import flatten_dense_tensors, flatten_mesh, unflatten_dense_tensors
 from spectrain.batch import RolloutBatch
 
-ROLLOUT_RANK = 0  # global rank that drives the engine
 TOKEN_MULTIPLE = 64
 
 
 def microbatch_budget(cu_seqlens: torch.Tensor, n_microbatches: int, multiple: int = TOKEN_MULTIPLE) -> int:
     """Smallest multiple of `multiple` tokens that packs the documents into `n_microbatches` microbatches.
 
-    `plan_microbatches` (greedy, the fewest contiguous groups) decides what fits; fitting is
+    `split_microbatches` (greedy, the fewest contiguous groups) decides what fits; fitting is
     monotone in the budget, so a bisection over multiples finds the smallest.
     """
     lengths = cu_seqlens.diff()
     total = int(lengths.sum())
     hi = -(-total // multiple)
-    plan_microbatches(cu_seqlens, n_microbatches, hi * multiple)  # raises when nothing fits (too few documents)
+    split_microbatches(cu_seqlens, n_microbatches, hi * multiple)  # raises when nothing fits (too few documents)
     lo = -(-max(int(lengths.max()), -(-total // n_microbatches)) // multiple)
     while lo < hi:
         mid = (lo + hi) // 2
         try:
-            plan_microbatches(cu_seqlens, n_microbatches, mid * multiple)
+            split_microbatches(cu_seqlens, n_microbatches, mid * multiple)
             hi = mid
         except ValueError:
             lo = mid + 1
@@ -128,25 +121,17 @@ def concat_batches(parts: list[RolloutBatch], like: RolloutBatch) -> RolloutBatc
     return RolloutBatch(cu_seqlens=torch.cat(cu), **{n: torch.cat([getattr(p, n) for p in parts]) for n in names})
 
 
-def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Tensors grouped by dtype, groups and members in first-seen order (flat collectives need one dtype)."""
-    groups: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
-    for t in tensors:
-        groups[t.dtype].append(t)
-    return list(groups.values())
-
-
 def _send(tensors: list[torch.Tensor], group: dist.ProcessGroup, dst: int) -> None:
-    for bucket in _by_dtype(tensors):
-        dist.send(_flatten_dense_tensors(bucket), group=group, group_dst=dst)
+    for bucket in by_dtype(tensors):
+        dist.send(flatten_dense_tensors(bucket), group=group, group_dst=dst)
 
 
 def _recv_into(tensors: list[torch.Tensor], group: dist.ProcessGroup, src: int) -> None:
     """Receive what `_send` sent from the same tensor list into `tensors`, in place."""
-    for bucket in _by_dtype(tensors):
-        flat = _flatten_dense_tensors(bucket)
+    for bucket in by_dtype(tensors):
+        flat = flatten_dense_tensors(bucket)
         dist.recv(flat, group=group, group_src=src)
-        for t, got in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+        for t, got in zip(bucket, unflatten_dense_tensors(flat, bucket)):
             t.copy_(got)
 
 
@@ -176,7 +161,7 @@ class PipelinePlan:
         self.num_stages = self.pp_size * self.stages_per_rank
         self.pp_group = mesh["pp"].get_group()
         self.cp_group = mesh["cp"].get_group()
-        self.stage_replica_group = mesh["dp", "cp"]._flatten("dp_cp").get_group()  # the copies of this stage
+        self.stage_replica_group = flatten_mesh(mesh["dp", "cp"], "dp_cp").get_group()  # the copies of this stage
         self.tap_group = new_tap_group(self.pp_group)
         self.is_rollout_rank = dist.get_rank() == ROLLOUT_RANK
         self.last_stage_rank = (self.num_stages - 1) % self.pp_size
@@ -256,14 +241,8 @@ class PipelinePlan:
         return PolicyStepResult(step_loss, logprobs, concat_batches([mb for _, mb, _ in outputs], part), inputs)
 
     def reduce_gradients(self, module: nn.Module) -> None:
-        """Sum the gradients over the copies of this rank's stage(s) (its dp x cp group), one all-reduce per dtype."""
-        if dist.get_world_size(self.stage_replica_group) == 1:
-            return
-        for bucket in _by_dtype([p.grad for p in module.parameters() if p.grad is not None]):
-            flat = _flatten_dense_tensors(bucket)
-            dist.all_reduce(flat, group=self.stage_replica_group)
-            for g, summed in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                g.copy_(summed)
+        """Sum the gradients over the copies of this rank's stage(s) (its dp x cp group)."""
+        all_reduce_gradients(module, self.stage_replica_group)
 
     def clip_grad_norm(self, module: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip by the norm of the whole policy: squared stage norms summed over the pp group.

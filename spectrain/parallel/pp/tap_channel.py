@@ -130,7 +130,7 @@ class TapChannel:
 
     def _reset(self) -> None:
         self._in_step = False
-        self._send_plan: deque[tuple[int, int, str]] = deque()
+        self._sends_due: deque[tuple[int, int, str]] = deque()
         self._sends: list[tuple[list[dist.Work], torch.Tensor, torch.Tensor]] = []
         self._expected: dict[int, deque[_Message]] = {}
         self._inflight: dict[int, deque[tuple[_Message, _Slot, list[dist.Work]]]] = {}
@@ -142,7 +142,7 @@ class TapChannel:
         """Arm the channel for one schedule step.
 
         `forward_order[r]` lists the `(stage, microbatch)` forward actions of pp rank `r`
-        in execution order (`pipeline.schedule_forward_order`); sends from a rank follow
+        in execution order (`spectrain.parallel.pp.runner.schedule_forward_order`); sends from a rank follow
         it, so it fixes the FIFO order the receiver expects.
         """
         if self._in_step:
@@ -152,7 +152,7 @@ class TapChannel:
         for r, order in forward_order.items():
             msgs = [_Message(s, mb, name) for s, mb in order for name in self.src_stages.get(s, ())]
             if r == self.rank and r != self.dst_rank:
-                self._send_plan = deque((m.stage, m.microbatch, m.name) for m in msgs)
+                self._sends_due = deque((m.stage, m.microbatch, m.name) for m in msgs)
             if not self.is_destination:
                 continue
             for m in msgs:
@@ -171,8 +171,8 @@ class TapChannel:
         if self.is_destination and (self._needed or self._landed):
             pending = sorted(self._needed) or sorted({mb for mb, _ in self._landed})
             raise RuntimeError(f"TapChannel: taps of microbatches {pending} were never consumed by wait()")
-        if self._send_plan:
-            raise RuntimeError(f"TapChannel: taps {list(self._send_plan)} were never posted")
+        if self._sends_due:
+            raise RuntimeError(f"TapChannel: taps {list(self._sends_due)} were never posted")
         self._reset()
 
     # ---------------------------------------------------------------- source side
@@ -200,7 +200,7 @@ class TapChannel:
             # every step's taps only after the last one (grpo.minibatches > 1).
             self._landed[key] = tap.clone()
             return
-        expected = self._send_plan.popleft() if self._send_plan else None
+        expected = self._sends_due.popleft() if self._sends_due else None
         if expected != (stage, microbatch, name):
             raise RuntimeError(
                 f"TapChannel: stage {stage} posted tap {name!r} of microbatch {microbatch}, "
