@@ -10,8 +10,9 @@ completions hold the batch while most have finished), and a draft trained with T
 policy's own greedy outputs so it agrees often. Every config runs `repeats` times,
 interleaved; the tables report median and spread (min..max).
 
-The end-to-end part runs GRPO-like steps (rollout with sampling, GRPO policy step, draft TTT
-step, weight sync) with and without long-tail spot draft training.
+The end-to-end part runs real GRPO steps (`GRPOModule` under a Lightning Trainer with the
+`DraftCoTraining` and `WeightSync` callbacks, as `spectrain fit` runs them: rollout with
+sampling, policy update, draft update, weight sync) with and without long-tail spot updates.
 
 Options (key=value): see `BenchOptions`.
 """
@@ -30,33 +31,29 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import lightning as L
 import torch
+from lightning.pytorch.callbacks import Callback
 
-from spectrain.models.eagle3 import Eagle3Config, Eagle3Draft, draft_sync_weights, export_draft, load_draft, ttt_loss
+from benchmarks.common import paired_ratios, parse_options, summarize
+from spectrain.batch import build_rollout_batch
+from spectrain.callbacks import DraftCoTraining, WeightSync
+from spectrain.config import load_config
+from spectrain.machine import machine_label
+from spectrain.models.eagle3 import Eagle3Config, Eagle3Draft, export_draft, load_draft
 from spectrain.models.hf_io import load_pretrained, save_pretrained
 from spectrain.models.llama import LlamaConfig, LlamaForCausalLM
+from spectrain.parallel.plan import draft_inputs_from, ttt_valid_tokens
 from spectrain.plots import plot_panels
-from spectrain.batch import RolloutBatch, build_rollout_batch
-from spectrain.train.grpo import group_advantages, grpo_loss, token_logprobs
-from spectrain.rollout.speculation._adaptive_old import (
-    BanditController,
-    ConcurrencyController,
-    FixedK,
-    LongTailTrainer,
-    SpecController,
-    machine_label,
-    measure_engine_verify_budget,
-)
 from spectrain.rollout.engine import Completion, SamplingConfig
-from spectrain.rollout.speculation._old import (
-    BanditSelector,
-    ConcurrencyAwareRule,
-    LongTailPolicy,
-    SpecArm,
-    buckets_by_verify_budget,
-)
-from spectrain.rollout.step_loop import StepLoopResult, StepRecord, generate_stepwise
+from spectrain.rollout.speculation.bandit import BanditSelector, SpecArm, buckets_by_verify_budget
+from spectrain.rollout.speculation.calibration import measure_engine_verify_budget
+from spectrain.rollout.speculation.controllers import BanditController, ConcurrencyController, FixedK
+from spectrain.rollout.speculation.rule import ConcurrencyAwareRule
+from spectrain.rollout.step_loop import SpecController, StepLoopResult, StepRecord, generate_stepwise
 from spectrain.rollout.vllm.engine import VLLMRolloutEngine
+from spectrain.train.draft_update import draft_update
+from spectrain.train.module import GRPOModule
 
 
 @dataclass
@@ -84,21 +81,10 @@ class BenchOptions:
     verify_budget: int = 0  # 0: calibrate here with the `spectrain calibrate` procedure
     e2e_prompts: int = 8
     e2e_group: int = 4
-    e2e_steps: int = 4  # per mode, interleaved; the first has no taps to spot-train on and is not timed
+    e2e_steps: int = 4  # per mode; the first has no taps to spot-train on and is not timed
     e2e_temperature: float = 0.7
     long_tail_threshold: int = 8
     long_tail_max_steps: int = 4
-
-
-def parse_options(overrides: list[str]) -> BenchOptions:
-    fields = {f.name: f for f in dataclasses.fields(BenchOptions)}
-    values = {}
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or key not in fields:
-            raise SystemExit(f"bench adaptive: bad option '{item}'; use key=value with key in {sorted(fields)}")
-        values[key] = type(getattr(BenchOptions(), key))(value)
-    return BenchOptions(**values)
 
 
 def log(msg: str) -> None:
@@ -134,30 +120,22 @@ def long_tailed_lengths(opts: BenchOptions, n: int, seed: int) -> list[int]:
             for _ in range(n)]
 
 
-def draft_loss_on(draft: Eagle3Draft, policy: LlamaForCausalLM, batch: RolloutBatch, out, ttt_passes: int):
-    logits = draft(out.embeds, out.tap_hidden, batch.position_ids, batch.cu_seqlens, ttt_passes,
-                   ops=policy.attention_ops)
-    return ttt_loss(logits, out.logits, batch.response_mask, batch.cu_seqlens, draft.t2d)
-
-
-def train_draft(draft: Eagle3Draft, policy: LlamaForCausalLM, data: list[Completion], opts: BenchOptions) -> float:
-    """TTT on the policy's own greedy outputs; returns the last pass-1 top-1 agreement."""
+def train_draft(draft: Eagle3Draft, policy: LlamaForCausalLM, data: list[Completion],
+                opts: BenchOptions) -> list[float]:
+    """TTT on the policy's own greedy outputs; returns the last update's top-1 agreement by pass."""
     rng = random.Random(opts.seed)
     opt = torch.optim.AdamW(draft.parameters(), lr=3e-3)
-    top1 = 0.0
+    top1 = []
     for step in range(opts.draft_steps):
         batch = build_rollout_batch(rng.sample(data, min(opts.draft_batch, len(data))), torch.zeros(
             min(opts.draft_batch, len(data))))
         with torch.no_grad():
             out = policy(batch.input_ids, batch.position_ids, batch.cu_seqlens, tap_layers=draft.cfg.tap_layers)
-        loss, metrics = draft_loss_on(draft, policy, batch, out, opts.ttt_passes)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        opt.step()
-        top1 = metrics.accuracy.tolist()
+        taps = draft_inputs_from(out, batch, policy.attention_ops, None, ttt_valid_tokens(batch))
+        update = draft_update(draft, opt, [taps], ttt_passes=opts.ttt_passes, pass_decay=0.8, grad_clip=1.0)
+        top1 = update.metrics.accuracy.tolist()
         if step % 50 == 0 or step == opts.draft_steps - 1:
-            log(f"draft TTT step {step}: loss {loss.item():.3f}, top-1 by pass {[round(a, 2) for a in top1]}")
+            log(f"draft TTT step {step}: loss {update.loss:.3f}, top-1 by pass {[round(a, 2) for a in top1]}")
     return top1
 
 
@@ -182,15 +160,11 @@ def timed_rollout(engine, prompts, sampling, controller=None) -> tuple[StepLoopR
     return result, time.perf_counter() - wall, time.process_time() - cpu
 
 
-def summarize(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
-
-
 def throughput_configs(opts: BenchOptions, budget: int) -> dict[str, Callable[[], SpecController | None]]:
     arms = [SpecArm(int(k)) for k in opts.bandit_arms.split(",")]
     edges = [int(e) for e in opts.bandit_edges.split(",")]
     bandit = BanditController(BanditSelector(arms, buckets_by_verify_budget(arms, edges, budget), seed=opts.seed))
-    rule = ConcurrencyController(ConcurrencyAwareRule(budget, k_max=opts.k_max, n_max=opts.k_max + 1))
+    rule = ConcurrencyController(ConcurrencyAwareRule(budget, k_max=opts.k_max))
     configs: dict[str, Callable[[], SpecController | None]] = {"no draft": lambda: None}
     for k in range(1, opts.k_max + 1):
         configs[f"fixed k={k}"] = lambda k=k: FixedK(k)
@@ -223,96 +197,139 @@ def run_throughput(opts, plain, spec, configs, prompts, sampling) -> tuple[dict,
 
 
 # ----------------------------------------------------------------------- end to end
-@dataclass
-class E2EState:
-    policy: LlamaForCausalLM
-    draft: Eagle3Draft
-    policy_opt: torch.optim.Optimizer
-    draft_opt: torch.optim.Optimizer
-    taps: tuple | None = None  # (batch, policy output) of the latest policy step
+@dataclass(frozen=True)
+class TokenPrompt:
+    """A prompt already in token ids (the benchmark's policy has no task); no answer: the reward needs none."""
+
+    prompt: list[int]
+    answer: str = ""
 
 
-def draft_step(state: E2EState, ttt_passes: int) -> None:
-    batch, out = state.taps
-    loss, _ = draft_loss_on(state.draft, state.policy, batch, out, ttt_passes)
-    state.draft_opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(state.draft.parameters(), 1.0)
-    state.draft_opt.step()
+@dataclass(frozen=True)
+class SamePrompts:
+    """The training "dataloader": the same prompts every step (speed, not learning, is measured)."""
+
+    prompts: list[TokenPrompt]
+    steps: int
+
+    def __iter__(self):
+        return iter([self.prompts] * self.steps)
 
 
-def grpo_like_step(state: E2EState, engine, prompts, sampling, controller, spot: LongTailTrainer | None,
-                   opts: BenchOptions) -> dict:
-    """Rollout, GRPO policy step (taps captured), draft step, weight sync; seconds of each."""
-    t0 = time.perf_counter()
-    result = generate_stepwise(engine, prompts, sampling, controller, spot)
-    t1 = time.perf_counter()
-    # toy verifiable reward: share of even token ids (varies within a group, so advantages are non-zero)
-    rewards = torch.tensor([sum(t % 2 == 0 for t in c.token_ids) / max(len(c.token_ids), 1)
-                            for c in result.completions])
-    batch = build_rollout_batch(result.completions, group_advantages(rewards, opts.e2e_group))
-    out = state.policy(batch.input_ids, batch.position_ids, batch.cu_seqlens,
-                       tap_layers=state.draft.cfg.tap_layers)
-    logprobs = token_logprobs(out.logits, batch.targets)
-    loss = grpo_loss(logprobs, logprobs.detach(), batch.advantages, batch.response_mask).loss
-    state.policy_opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(state.policy.parameters(), 1.0)
-    state.policy_opt.step()
-    state.taps = (batch, out)  # the draft and its loss detach what they read
-    draft_step(state, opts.ttt_passes)
-    t2 = time.perf_counter()
-    sync_engine(engine, state)
-    t3 = time.perf_counter()
-    spec = sum(r.accepted for r in result.trace), sum(r.drafts for r in result.trace)
-    return {"step_s": t3 - t0, "rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2,
-            "spot_steps": spot.steps if spot else 0, "spot_s": spot.seconds if spot else 0.0,
-            "acceptance_length": 1 + spec[0] / spec[1] if spec[1] else 1.0}
+class TokenIds:
+    """The tokenizer `GRPOModule` asks for, on prompts and completions that are token ids already."""
+
+    def encode(self, ids: list[int]) -> list[int]:
+        return list(ids)
+
+    def decode(self, ids: list[int]) -> list[int]:
+        return list(ids)
+
+
+def even_token_share(ids: list[int], answer: str) -> float:
+    """Toy verifiable reward: share of even token ids (varies within a group, so advantages are non-zero)."""
+    return sum(t % 2 == 0 for t in ids) / max(len(ids), 1)
+
+
+class LongTailedGRPOModule(GRPOModule):
+    """`GRPOModule` whose prompts each have their own `max_tokens`: a long-tailed training rollout."""
+
+    def __init__(self, *args, max_tokens: list[int], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.max_tokens = max_tokens
+
+    def sampling_config(self, n: int, greedy: bool = False) -> list[SamplingConfig]:
+        base = super().sampling_config(n, greedy)
+        return [dataclasses.replace(base, max_tokens=m) for m in self.max_tokens]
+
+
+class TimedWeightSync(WeightSync):
+    """`WeightSync` that keeps the seconds of its last end-of-step sync (checks included)."""
+
+    seconds = 0.0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        started = time.perf_counter()
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self.seconds = time.perf_counter() - started
+
+
+class StepRecorder(Callback):
+    """Seconds of each GRPO step and its parts; listed after the callbacks it times.
+
+    train_s is everything that is neither the rollout nor the sync: scoring, policy updates,
+    the draft update.
+    """
+
+    def __init__(self, sync: TimedWeightSync) -> None:
+        self.sync = sync
+        self.records: list[dict] = []
+        self.started = 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.started = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step_s, stats = time.perf_counter() - self.started, pl_module.rollout_stats
+        spot = pl_module.stepwise.metrics
+        self.records.append({"step_s": step_s, "rollout_s": stats.seconds, "sync_s": self.sync.seconds,
+                             "train_s": step_s - stats.seconds - self.sync.seconds,
+                             "spot_steps": spot.get("spot/draft_steps", 0.0), "spot_s": spot.get("spot/seconds", 0.0),
+                             "acceptance_length": stats.spec.mean_acceptance_length})
 
 
 E2E_KEYS = ("step_s", "rollout_s", "train_s", "sync_s", "spot_steps", "spot_s", "acceptance_length")
 
 
-def run_e2e(opts, spec, policy_dir, draft_dir, budget) -> dict:
-    """GRPO-like steps without / with spot training, interleaved step by step from the same start.
+def e2e_config(opts: BenchOptions, budget: int, long_tail: bool, work: Path):
+    """The recipe of the end-to-end runs: one policy update and one draft update per step, concurrency rule."""
+    return load_config(None, [
+        f"trainer.seed={opts.seed}", f"trainer.run_dir={work}", f"trainer.max_steps={opts.e2e_steps}",
+        f"rollout.group_size={opts.e2e_group}", f"rollout.temperature={opts.e2e_temperature}",
+        f"rollout.max_new_tokens={opts.max_tokens}",
+        "grpo.lr=1e-4", "grpo.minibatches=1", "grpo.epochs=1", "grpo.kl_beta=0.0", "grpo.grad_clip=1.0",
+        "draft.mode=cotrained", "draft.lr=1e-3", f"draft.ttt_passes={opts.ttt_passes}", "draft.pass_decay=0.8",
+        "draft.grad_clip=1.0", f"draft.num_speculative_tokens={opts.k_max}",
+        "speculation.mode=concurrency", f"speculation.verify_budget={budget}",
+        f"speculation.long_tail.enabled={long_tail}", f"speculation.long_tail.threshold={opts.long_tail_threshold}",
+        f"speculation.long_tail.max_steps={opts.long_tail_max_steps}"])
 
-    Each mode keeps its own policy, draft and optimizers; the engine gets a mode's weights
-    before its step (untimed). Step 1 has no taps to spot-train on and is not timed.
-    """
-    prompts = random_prompts(opts.e2e_prompts, opts.seed + 7)
+
+def run_grpo(opts: BenchOptions, engine, policy_dir: Path, draft_dir: Path, budget: int, long_tail: bool,
+             work: Path) -> list[dict]:
+    """`e2e_steps` GRPO steps from the saved policy and draft, as `spectrain fit` runs them; a record per step."""
+    config = e2e_config(opts, budget, long_tail, work)
+    prompts = [TokenPrompt(p) for p in random_prompts(opts.e2e_prompts, opts.seed + 7)]
     lengths = long_tailed_lengths(opts, len(prompts), opts.seed + 7)
     lengths[-1] = opts.max_tokens  # one straggler prompt: the long tail spot training is for
-    sampling = [SamplingConfig(n=opts.e2e_group, max_tokens=m, temperature=opts.e2e_temperature, seed=opts.seed)
-                for m in lengths]
-    rule = ConcurrencyAwareRule(budget, k_max=opts.k_max, n_max=opts.k_max + 1)
-    modes = ["without long tail", "with long tail"]
-    states = {name: fresh_state(policy_dir, draft_dir) for name in modes}
-    spot_policy = {name: LongTailPolicy(opts.long_tail_threshold, mode=name == "with long tail",
-                                        max_steps=opts.long_tail_max_steps) for name in modes}
-    records = {name: [] for name in modes}
-    for i in range(opts.e2e_steps):
-        for name in modes if i % 2 == 0 else modes[::-1]:
-            state = states[name]
-            sync_engine(spec, state)
-            spot = LongTailTrainer(spot_policy[name], lambda: draft_step(state, opts.ttt_passes)) if state.taps else None
-            record = grpo_like_step(state, spec, prompts, sampling, ConcurrencyController(rule), spot, opts)
-            if i:
-                records[name].append(record)
-        if i:
-            log(f"e2e step {i}: " + ", ".join(f"{n} {r[-1]['step_s']:.2f} s ({r[-1]['spot_steps']} spot)"
-                                              for n, r in records.items()))
-    return {name: {key: summarize([r[key] for r in recs]) for key in E2E_KEYS} for name, recs in records.items()}
+    module = LongTailedGRPOModule(config, load_pretrained(policy_dir), load_draft(draft_dir), TokenIds(),
+                                  even_token_share, max_tokens=lengths)
+    module.engine = engine
+    d = config.draft
+    sync = TimedWeightSync(check_alive=False)  # no drafter probes: the toy draft's acceptance may well swing
+    recorder = StepRecorder(sync)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=opts.e2e_steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=str(work),
+                        callbacks=[DraftCoTraining(grad_clip=d.grad_clip, ttt_passes=d.ttt_passes,
+                                                   pass_decay=d.pass_decay), sync, recorder])
+    trainer.fit(module, train_dataloaders=SamePrompts(prompts, opts.e2e_steps))
+    return recorder.records
 
 
-def fresh_state(policy_dir: Path, draft_dir: Path) -> E2EState:
-    policy, draft = load_pretrained(policy_dir), load_draft(draft_dir)
-    return E2EState(policy, draft, torch.optim.AdamW(policy.parameters(), lr=1e-4),
-                    torch.optim.AdamW(draft.parameters(), lr=1e-3))
+def run_e2e(opts, spec, policy_dir, draft_dir, budget, work: Path) -> dict:
+    """GRPO steps without / with spot training, one mode after the other from the same start.
 
-
-def sync_engine(engine, state: E2EState) -> None:
-    engine.sync_policy([(n, p.detach()) for n, p in state.policy.state_dict().items()], 0)
-    engine.sync_draft(draft_sync_weights(state.draft), 0)
+    Each mode has its own policy, draft and optimizers; `WeightSync` gives the engine the
+    mode's weights when its run starts (untimed). Step 1 has no taps to spot-train on and is
+    not timed.
+    """
+    out = {}
+    for name, long_tail in (("without long tail", False), ("with long tail", True)):
+        records = run_grpo(opts, spec, policy_dir, draft_dir, budget, long_tail, work / name.replace(" ", "_"))[1:]
+        log(f"e2e {name}: step s " + ", ".join(f"{r['step_s']:.2f} ({r['spot_steps']:.0f} spot)" for r in records))
+        out[name] = {key: summarize([r[key] for r in records]) for key in E2E_KEYS}
+    return out
 
 
 # -------------------------------------------------------------------------- reports
@@ -448,13 +465,16 @@ generated token would be **{room['oracle_vs_best_fixed']:.2f}x** the best fixed 
 |---|---|---|---|---|---|
 {rows}
 
-## End to end: GRPO-like steps (rollout + policy step + draft step + weight sync)
+## End to end: GRPO steps (rollout + policy update + draft update + weight sync)
+
+`GRPOModule` with the `DraftCoTraining` and `WeightSync` callbacks under a Lightning Trainer, as `spectrain fit`
+runs them.
 
 Concurrency rule in both; {o['e2e_prompts']} prompts x {o['e2e_group']} samples (one prompt at
 max_tokens={o['max_tokens']}: a straggler, so the tail is long), temperature
 {o['e2e_temperature']}; spot training below {o['long_tail_threshold']} live sequences, at most
-{o['long_tail_max_steps']} draft steps per rollout, on the previous step's taps. The two modes alternate step by
-step from the same start; steps 2..{o['e2e_steps']} are timed (median, spread). With long tail / without, paired
+{o['long_tail_max_steps']} draft updates per rollout, on the previous step's taps. The two modes run one after the
+other from the same start; steps 2..{o['e2e_steps']} are timed (median, spread). With long tail / without, paired
 by step: {ratio(data['e2e_with_vs_without'])} step time.
 
 | | step s (spread) | rollout s | train s | spot steps | spot s | acceptance length |
@@ -498,7 +518,7 @@ def headline(throughput: dict) -> dict:
     best = max(fixed, key=fixed.get)
 
     def paired(a: str, b: str) -> dict:
-        return summarize([x / y for x, y in zip(throughput[a]["runs"], throughput[b]["runs"])])
+        return paired_ratios(throughput[a]["runs"], throughput[b]["runs"])
 
     out = {"best_fixed": best, "concurrency_vs_best_fixed": paired("concurrency", best),
            "bandit_vs_best_fixed": paired("bandit", best), "best_fixed_vs_no_draft": paired(best, "no draft")}
@@ -508,7 +528,7 @@ def headline(throughput: dict) -> dict:
 
 def main(overrides: list[str]) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    opts = parse_options(overrides)
+    opts = BenchOptions(**parse_options("adaptive", overrides, dataclasses.asdict(BenchOptions())))
     if opts.threads:
         torch.set_num_threads(opts.threads)  # before vLLM starts: it pins the count afterwards
     with tempfile.TemporaryDirectory(prefix="spectrain_bench_adaptive_") as work:
@@ -538,7 +558,7 @@ def run(opts: BenchOptions, work: Path) -> dict:
         sampling = [SamplingConfig(max_tokens=m, temperature=0.0) for m in lengths]
         throughput, per_cpu_s, traces = run_throughput(opts, plain, spec, throughput_configs(opts, budget), prompts,
                                                        sampling)
-        e2e = run_e2e(opts, spec, policy_dir, draft_dir, budget)
+        e2e = run_e2e(opts, spec, policy_dir, draft_dir, budget, work)
     finally:
         for engine in filter(None, (spec, plain)):
             engine.shutdown()
@@ -552,9 +572,8 @@ def run(opts: BenchOptions, work: Path) -> dict:
             "draft_top1": top1, "verify_budget": budget, "verify_budget_source": source, "calibration": calibration,
             "workload": {"total_tokens": sum(lengths), "longest": max(lengths), "max_tokens": lengths},
             "throughput_tokens_per_s": throughput, "throughput_tokens_per_cpu_s": per_cpu_s,
-            "end_to_end": e2e, "e2e_with_vs_without": summarize(
-                [w / wo for w, wo in zip(e2e["with long tail"]["step_s"]["runs"],
-                                         e2e["without long tail"]["step_s"]["runs"])]),
+            "end_to_end": e2e, "e2e_with_vs_without": paired_ratios(
+                e2e["with long tail"]["step_s"]["runs"], e2e["without long tail"]["step_s"]["runs"]),
             "headline": headline(throughput), "headline_cpu_time": headline(per_cpu_s),
             "trace_summary": trace_summary(traces),
             "traces": {n: [dataclasses.asdict(r) for r in t] for n, t in traces.items()}}

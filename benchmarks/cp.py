@@ -35,16 +35,17 @@ import math
 import os
 import re
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from benchmarks.drift import machine_label, split_options
-from benchmarks.ranks import run_on_ranks
+from benchmarks.common import int_list, parse_options
+from spectrain.errors import ConfigError
+from spectrain.machine import machine_label
 from spectrain.parallel.cp.ring import ZigzagRingAttentionOps, _acc_dtype, _add_rows, _Step
+from spectrain.parallel.spawn import run_distributed
 from spectrain.plots import plot_panels
 
 DEFAULTS = {"tokens": "1024,2048,4096,8192,16384,32768", "cp": "1,2,4", "ttt_passes": 3, "dense_max_gib": 2.0,
@@ -78,7 +79,7 @@ class AllGatherKVOps(ZigzagRingAttentionOps):
         dq = torch.zeros(q.shape, dtype=acc)
         dkvs = torch.zeros((self.world, 2, *k.shape), dtype=acc)
         for step, kv in self._held_kv(torch.stack([k, v])):
-            st = _Step.plan(step, self.rank, cu_seqlens_q, h)
+            st = _Step.at(step, self.rank, cu_seqlens_q, h)
             dq_b, dkv_b = self._step_backward(st, kv, dout, q, out, lse, scale)
             _add_rows(dq, st.q_rows, dq_b)
             _add_rows(dkvs[(self.rank - step) % self.world], st.kv_rows, dkv_b, dim=1)
@@ -176,10 +177,7 @@ def _step_models():
 
     torch.manual_seed(0)
     policy = LlamaForCausalLM(LlamaConfig(**POLICY, max_position_embeddings=2 * MAX_DOC))
-    draft = Eagle3Draft(Eagle3Config.from_policy(policy.cfg))
-    models = torch.nn.Module()  # the stand-in GRPOModule of the plan and `draft_loss`
-    models.policy, models.draft, models.draft_inputs = policy, draft, []
-    return models
+    return policy, Eagle3Draft(Eagle3Config.from_policy(policy.cfg))
 
 
 def _step_batch(tokens: int):
@@ -196,8 +194,8 @@ def _step_batch(tokens: int):
     return build_rollout_batch(completions, torch.randn(len(completions), generator=g))
 
 
-def _step_point(models, plan, tokens: int, passes: int, world: int) -> dict:
-    from spectrain.callbacks.draft_cotraining import draft_loss
+def _step_point(policy, draft, plan, tokens: int, passes: int, world: int) -> dict:
+    from spectrain.train.draft_update import draft_loss
     from spectrain.train.grpo import grpo_loss, token_logprobs
 
     batch = _step_batch(tokens)
@@ -208,18 +206,16 @@ def _step_point(models, plan, tokens: int, passes: int, world: int) -> dict:
         return grpo_loss(logprobs, part.rollout_logprobs, part.advantages, part.response_mask, 0.2,
                          num_tokens=num_tokens).loss, logprobs
 
-    for p in models.parameters():  # parameter gradients are not activations: allocate them first
+    for p in (*policy.parameters(), *draft.parameters()):  # parameter gradients are not activations: first
         p.grad = torch.zeros_like(p)
 
     def work():
-        result = plan.policy_forward_backward(models.policy, batch, loss_fn, models.draft.cfg.tap_layers,
+        result = plan.policy_forward_backward(policy, batch, loss_fn, draft.cfg.tap_layers,
                                               lambda loss: loss.backward())
-        plan.reduce_gradients(models.policy)
-        models.draft_inputs = result.draft_inputs
-        loss, _ = draft_loss(models, passes, 0.8)
+        plan.reduce_gradients(policy)
+        loss, _ = draft_loss(draft, result.draft_inputs, passes, 0.8)
         loss.backward()
-        plan.reduce_gradients(models.draft)
-        models.draft_inputs = []
+        plan.reduce_gradients(draft)
         if world > 1:
             dist.barrier()
 
@@ -247,31 +243,21 @@ def _sweep(rank: int, world: int, o: dict) -> list[dict]:
                                                      f"GiB > dense_max_gib={o['dense_max_gib']}"})
                 continue
             record("ttt", method, t, _ttt_point(method, t, passes, rank, world))
-    models = _step_models()
+    policy, draft = _step_models()
     plan = LocalPlan() if world == 1 else ContextParallelPlan(build_mesh(1, 1, world))
-    _step_point(models, plan, tokens[0], passes, world)  # warm-up
+    _step_point(policy, draft, plan, tokens[0], passes, world)  # warm-up
     for t in tokens:
-        record("step", "ring", t, _step_point(models, plan, t, passes, world))
+        record("step", "ring", t, _step_point(policy, draft, plan, t, passes, world))
     return rows
 
 
 # ------------------------------------------------------------------------------ processes
-def _sweep_on_rank(rank: int, port: int, world: int, o: dict) -> list[dict]:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=o["timeout"]))
-    try:
-        return _sweep(rank, world, o)
-    finally:
-        dist.destroy_process_group()
-
-
 def spawn_sweep(world: int, o: dict) -> list[list[dict]]:
     """`_sweep` on `world` fresh processes (the memory method needs the malloc setting at start-up)."""
     saved = dict(os.environ)
     os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
     try:
-        return run_on_ranks(_sweep_on_rank, world, (world, o), o["timeout"], f"bench cp: cp={world}")
+        return run_distributed(_sweep, world, o, timeout=o["timeout"])
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -395,15 +381,10 @@ Skipped: {'; '.join(skipped) if skipped else 'none'}.
 
 
 def main(args: list[str]) -> int:
-    o, unknown = split_options(args, DEFAULTS)
-    if unknown:
-        print(f"bench cp: unknown options {unknown}; known: {sorted(DEFAULTS)}")
-        return 2
-    o["token_list"] = sorted(int(t) for t in str(o["tokens"]).split(","))
-    o["cp_list"] = sorted(int(c) for c in str(o["cp"]).split(","))
+    o = parse_options("cp", args, DEFAULTS)
+    o["token_list"], o["cp_list"] = int_list("cp", "tokens", o["tokens"]), int_list("cp", "cp", o["cp"])
     if o["cp_list"][0] != 1:
-        print("bench cp: the ratios need cp=1 in cp=...")
-        return 2
+        raise ConfigError(f"bench cp: cp={o['cp']} has no 1; the memory ratios compare every CP size with cp=1")
     started = time.perf_counter()
     rows = []
     for world in o["cp_list"]:

@@ -11,33 +11,18 @@ Usage: `spectrain bench drift [recipe=tiny_cpu] [steps=20] [out=docs/benchmarks]
 from __future__ import annotations
 
 import json
-import platform
 import shutil
 import statistics
 from pathlib import Path
 
-import torch
-
+from benchmarks.common import split_options
 from spectrain.config import load_config
+from spectrain.errors import ConfigError
+from spectrain.machine import machine_label
 from spectrain.plots import plot_panels
 
 MODES = ("cotrained", "frozen", "none")
-
-
-def split_options(args: list[str], defaults: dict) -> tuple[dict, list[str]]:
-    """Benchmark options (keys of `defaults`) and the remaining recipe overrides."""
-    options, overrides = dict(defaults), []
-    for arg in args:
-        key, _, value = arg.partition("=")
-        if key in options:
-            options[key] = type(defaults[key])(value)
-        else:
-            overrides.append(arg)
-    return options, overrides
-
-
-def machine_label() -> str:
-    return f"{platform.machine()} {torch.get_num_threads()} threads, {platform.processor() or 'cpu'}, torch {torch.__version__}"
+DEFAULTS = {"recipe": "tiny_cpu", "steps": 20, "out": "docs/benchmarks", "work": "runs/bench_drift"}
 
 
 def run_mode(recipe: str, mode: str, steps: int, work: Path, overrides: list[str]):
@@ -118,8 +103,11 @@ Headline (ratios measured side by side in this run):
 
 
 def main(args: list[str]) -> int:
-    options, overrides = split_options(args, {"recipe": "tiny_cpu", "steps": 20, "out": "docs/benchmarks",
-                                             "work": "runs/bench_drift"})
+    options, overrides = split_options("drift", args, DEFAULTS)
+    try:  # a bad recipe or override fails here, before any run
+        load_config(options["recipe"], overrides)
+    except ConfigError as exc:
+        raise ConfigError(f"bench drift: {exc} (the benchmark's own options: {', '.join(DEFAULTS)})") from None
     work = Path(options["work"])
     for mode in MODES:  # a fresh comparison each time; the shared warm start is kept
         shutil.rmtree(work / mode, ignore_errors=True)

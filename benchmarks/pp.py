@@ -9,11 +9,11 @@ forward and backward, gradient reduction, global clip) in three modes:
 - `no_taps`: draft off: no capture, no taps (the floor);
 - `blocking`: taps carried by `BlockingTapTransport` (blocking sends inside the forward).
 
-In `taps` mode the draft's TTT step then runs on the last stage from those taps; it is
-timed on its own (`draft_seconds`), not inside the policy step. Rounds interleave every
-(schedule, mode) after a warm-up, the mode order rotating each round, so slow drift of a
-shared machine's load hits all modes alike. Overhead is reported both as the ratio of
-medians and as the median of the per-round ratios (paired, the headline).
+In `taps` mode the draft update (`draft_update`, as co-training runs it) then runs on the
+last stage from those taps; it is timed on its own (`draft_seconds`), not inside the policy
+step. Rounds interleave every (schedule, mode) after a warm-up, the mode order rotating each
+round, so slow drift of a shared machine's load hits all modes alike. Overhead is reported
+both as the ratio of medians and as the median of the per-round ratios (paired, the headline).
 
 Usage: `spectrain bench pp [layers=8] [hidden=256] [docs=24] [doc_len=64] [microbatches=4]
 [rounds=8] [out=docs/benchmarks]`; writes pp.json, pp.md and pp.png under `out`.
@@ -24,13 +24,13 @@ import json
 import os
 import statistics
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 
-from benchmarks.drift import machine_label, split_options
-from benchmarks.ranks import run_on_ranks
+from benchmarks.common import parse_options, summarize
+from spectrain.machine import machine_label
+from spectrain.parallel.spawn import run_distributed
 from spectrain.plots import plot_panels
 
 SCHEDULES = ("1F1B", "GPipe")
@@ -93,22 +93,17 @@ def _timed(transport):
     return Timed
 
 
-def _measure(rank: int, port: int, o: dict) -> dict:
+def _measure(rank: int, world: int, o: dict) -> dict:
     import torch.distributed as dist
 
-    from spectrain.callbacks.draft_cotraining import draft_loss
     from spectrain.parallel.mesh import build_mesh
     from spectrain.parallel.pp.plan import PipelinePlan, microbatch_budget
     from spectrain.parallel.pp.tap_channel import BlockingTapTransport, TapChannel
+    from spectrain.train.draft_update import draft_update
     from spectrain.train.grpo import grpo_loss, token_logprobs
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(minutes=10))
-    mesh = build_mesh(2, 1, 1)
+    mesh = build_mesh(world, 1, 1)
     policy, draft = _models(o)
-    module = torch.nn.Module()  # the stand-in GRPOModule that `draft_loss` reads
-    module.draft, module.draft_inputs = draft, []
     draft_opt = torch.optim.AdamW(draft.parameters(), lr=1e-4)
     batch = _rollout(o)
     num_tokens = batch.num_response_tokens
@@ -139,13 +134,8 @@ def _measure(rank: int, port: int, o: dict) -> dict:
         draft_seconds = 0.0
         if mode == "taps" and plan.hosts_draft:
             started = time.perf_counter()
-            module.draft_inputs = result.draft_inputs
-            loss, _ = draft_loss(module, 3, 0.8)
-            draft_opt.zero_grad(set_to_none=True)
-            loss.backward()
-            draft_opt.step()
+            draft_update(draft, draft_opt, result.draft_inputs, ttt_passes=3, pass_decay=0.8, grad_clip=1.0)
             draft_seconds = time.perf_counter() - started
-        module.draft_inputs = []
         return seconds, cpu_seconds, tap_seconds, draft_seconds
 
     for s in SCHEDULES:  # warm-up: runners, buffers, allocator
@@ -163,14 +153,9 @@ def _measure(rank: int, port: int, o: dict) -> dict:
                 tap_times[s][m].append(tap_seconds)
                 if m == "taps":
                     draft_times[s].append(draft_seconds)
-    dist.destroy_process_group()
     budget = microbatch_budget(batch.cu_seqlens, o["microbatches"])
     return {"step_seconds": times, "cpu_seconds": cpu_times, "tap_call_seconds": tap_times,
             "draft_seconds": draft_times, "tokens_per_microbatch": budget}
-
-
-def _spread(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
 def _paired(xs: list[float], base: list[float]) -> dict:
@@ -188,12 +173,12 @@ def summarise(ranks: list[dict]) -> dict:
         wall = ranks[0]["step_seconds"][s]
         cpu = {m: [a + b for a, b in zip(ranks[0]["cpu_seconds"][s][m], ranks[1]["cpu_seconds"][s][m])]
                for m in MODES}
-        row = {m: {"wall": _spread(wall[m]), "cpu": _spread(cpu[m])} for m in MODES}
+        row = {m: {"wall": summarize(wall[m]), "cpu": summarize(cpu[m])} for m in MODES}
         for m in ("taps", "blocking"):
             calls = [statistics.median(r["tap_call_seconds"][s][m]) for r in ranks]
             row[m].update(wall_overhead=_paired(wall[m], wall["no_taps"]), cpu_overhead=_paired(cpu[m], cpu["no_taps"]),
                           tap_call_seconds_per_rank=calls, tap_call_share=max(calls) / row["no_taps"]["wall"]["median"])
-        row["draft_seconds"] = _spread(ranks[1]["draft_seconds"][s])
+        row["draft_seconds"] = summarize(ranks[1]["draft_seconds"][s])
         out[s] = row
     taps = {s: out[s]["taps"] for s in SCHEDULES}
     h = {"target": TARGET_OVERHEAD}
@@ -265,7 +250,7 @@ gradient reduction and global clip; {o['rounds']} interleaved rounds after a war
   stage, and the larger as a share of the `no_taps` step: the time the transport itself
   takes from a stage.
 
-| schedule | mode | wall s median (min .. max) | CPU s median | wall vs no_taps | CPU vs no_taps | tap calls ms, stage 0 / last (share) | draft TTT step s |
+| schedule | mode | wall s median (min .. max) | CPU s median | wall vs no_taps | CPU vs no_taps | tap calls ms, stage 0 / last (share) | draft update s |
 |---|---|---|---|---|---|---|---|
 {chr(10).join(rows)}
 
@@ -279,12 +264,10 @@ Target <= {pct(TARGET_OVERHEAD)}: {verdict}.
 
 
 def main(args: list[str]) -> int:
-    o, unknown = split_options(args, DEFAULTS)
-    if unknown:
-        raise SystemExit(f"bench pp: unknown options {unknown}; known: {sorted(DEFAULTS)}")
+    o = parse_options("pp", args, DEFAULTS)
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
-    ranks = run_on_ranks(_measure, 2, (o,), 900.0, "bench pp")
+    ranks = run_distributed(_measure, 2, o, timeout=900.0)
     summary = summarise(ranks)
     label = (f"{machine_label()}; load average {load_before:.1f} -> {os.getloadavg()[0]:.1f} on "
              f"{os.cpu_count()} cores; {time.perf_counter() - started:.0f} s")

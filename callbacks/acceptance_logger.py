@@ -5,6 +5,7 @@ import math
 from pathlib import Path
 
 from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
 from spectrain.plots import plot_panels
 
@@ -21,6 +22,14 @@ class AcceptanceLengthLogger(Callback):
         self.plot_path = plot_path
         self.history: list[dict] = []
 
+    @property
+    @override
+    def state_key(self) -> str:
+        # the trainer's instance (default plot path) keeps the class name, under which earlier checkpoints hold its
+        # history; one more with its own plot path (trainer.callbacks) checkpoints beside it instead of colliding
+        return self._generate_state_key(plot_path=self.plot_path) if self.plot_path else super().state_key
+
+    @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         spec = pl_module.rollout_stats.spec
         if spec.num_drafts == 0:  # nothing drafted (k=0): NaN, or Lightning repeats the last step's values
@@ -37,6 +46,7 @@ class AcceptanceLengthLogger(Callback):
         pl_module.log("accept_len", spec.mean_acceptance_length, prog_bar=True, on_step=True, batch_size=1,
                       logger=False)
 
+    @override
     def on_train_end(self, trainer, pl_module) -> None:
         if self.history and pl_module.plan.is_rollout_rank:
             path = Path(self.plot_path or Path(trainer.default_root_dir) / "acceptance_length.png")
@@ -51,8 +61,10 @@ class AcceptanceLengthLogger(Callback):
                 k.removesuffix("_rate"): (steps, [r.get(k, 0.0) for r in self.history]) for k in positions}),
         ])
 
+    @override
     def state_dict(self) -> dict:
         return {"history": self.history}
 
+    @override
     def load_state_dict(self, state_dict: dict) -> None:
         self.history = list(state_dict["history"])

@@ -12,16 +12,18 @@ from spectrain.train.draft_update import draft_update
 
 
 class DraftCoTraining(Callback):
-    """One draft step per policy step (or every `every_n_steps`), on the taps the policy
+    """One draft update per step (or every `every_n_steps` steps), on the taps the policy
     forward left in `pl_module.draft_inputs`: no extra target forward.
 
     A thin adapter over `spectrain.train.draft_update.draft_update` (the same update the
     warm-up and long-tail spot training run): the draft has its own optimizer (the module's
     second) and gradient clipping; a non-finite loss or gradient norm skips the update
     (counted and logged); the policy is never touched: taps and teacher logits are detached.
+    One per run, under the class name as its state key: a second instance would update the
+    same draft twice per step, and Lightning refuses two stateful callbacks with one key.
 
     Args:
-        every_n_steps: train the draft on every n-th policy step.
+        every_n_steps: update the draft on every n-th step.
         grad_clip: max global norm of the draft's gradients.
         ttt_passes: K, the training-time-test passes unrolled.
         pass_decay: weight `pass_decay**(d-1)` of pass d's loss.
@@ -67,9 +69,11 @@ class DraftCoTraining(Callback):
             log[f"draft/pass_{d}_top1"] = top1
         return log
 
+    @override
     def state_dict(self) -> dict:
         return {"steps_trained": self.steps_trained, "steps_skipped": self.steps_skipped}
 
+    @override
     def load_state_dict(self, state_dict: dict) -> None:
         self.steps_trained = state_dict["steps_trained"]
         self.steps_skipped = state_dict["steps_skipped"]

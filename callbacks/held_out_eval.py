@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
 
 class HeldOutEval(Callback):
@@ -19,11 +20,29 @@ class HeldOutEval(Callback):
         self.examples, self.every_n_steps, self.samples = examples, every_n_steps, samples
         self.history: list[dict] = [{"step": 0, **warmstart}] if warmstart else []
 
+    @property
+    @override
+    def state_key(self) -> str:
+        # a second evaluation (other prompts or cadence, e.g. passed to SpecTrainer) keeps its own history; no
+        # setting a resume may change (paths, trainer.max_steps) is part of it, or the resumed run would lose it
+        return self._generate_state_key(every_n_steps=self.every_n_steps, samples=self.samples,
+                                        prompts=len(self.examples))
+
+    @override
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        # checkpoints written before the key named the settings hold the history under the class name: adopt it
+        # (Lightning restores state by `state_key` after this hook, and falls back to nothing but pre-1.5 keys)
+        states = checkpoint.get("callbacks") or {}
+        if self.state_key not in states and type(self).__qualname__ in states:
+            states[self.state_key] = states.pop(type(self).__qualname__)
+
+    @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         step = trainer.global_step
         if step and step % self.every_n_steps == 0:
             self._evaluate(trainer, pl_module)
 
+    @override
     def on_train_end(self, trainer, pl_module) -> None:
         if trainer.global_step < trainer.max_steps:  # stopped early (a signal): the resumed run evaluates
             return
@@ -41,8 +60,10 @@ class HeldOutEval(Callback):
         rows = [r for r in self.history if key in r]
         return [r["step"] for r in rows], [r[key] for r in rows]
 
+    @override
     def state_dict(self) -> dict:
         return {"history": self.history}
 
+    @override
     def load_state_dict(self, state_dict: dict) -> None:
         self.history = list(state_dict["history"])

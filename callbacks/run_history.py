@@ -5,6 +5,7 @@ import time
 from pathlib import Path
 
 from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
 from spectrain.callbacks.held_out_eval import HeldOutEval
 from spectrain.plots import plot_panels
@@ -23,9 +24,18 @@ class RunHistory(Callback):
         self.history: list[dict] = []
         self._started = 0.0
 
+    @property
+    @override
+    def state_key(self) -> str:
+        # the trainer's instance (default plot path) keeps the class name, under which earlier checkpoints hold its
+        # history; one more with its own plot path (trainer.callbacks) checkpoints beside it instead of colliding
+        return self._generate_state_key(plot_path=self.plot_path) if self.plot_path else super().state_key
+
+    @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._started = time.perf_counter()
 
+    @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step_time = time.perf_counter() - self._started
         pl_module.log("time/step", step_time, prog_bar=True, on_step=True, batch_size=1)
@@ -33,6 +43,7 @@ class RunHistory(Callback):
         row.update({"step": trainer.global_step, "time/step": step_time})
         self.history.append(row)
 
+    @override
     def on_train_end(self, trainer, pl_module) -> None:
         if self.history and trainer.is_global_zero:
             held_out = next((c for c in trainer.callbacks if isinstance(c, HeldOutEval)), None)
@@ -53,8 +64,10 @@ class RunHistory(Callback):
         panels.append(("seconds", {"step": self.column("time/step"), "rollout": self.column("rollout/seconds")}))
         return plot_panels(path, "spectrain run", panels)
 
+    @override
     def state_dict(self) -> dict:
         return {"history": self.history}
 
+    @override
     def load_state_dict(self, state_dict: dict) -> None:
         self.history = list(state_dict["history"])

@@ -7,6 +7,7 @@ import threading
 
 import torch
 from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
 from spectrain.errors import SpecTrainError
 
@@ -39,6 +40,7 @@ class StopOnSignal(Callback):
         self._previous: dict[int, object] = {}
         self._speaks = True  # rank 0 only: every rank of a torchrun job gets the signal
 
+    @override
     def on_train_start(self, trainer, pl_module) -> None:
         self._speaks = trainer.is_global_zero
         if threading.current_thread() is threading.main_thread():
@@ -55,6 +57,7 @@ class StopOnSignal(Callback):
             print(f"\n[spectrain] {signal.Signals(signum).name} received: finishing the step, then saving a checkpoint "
                   f"(send it again to abort at once)", file=sys.stderr, flush=True)
 
+    @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.stopped_by = int(trainer.strategy.reduce(torch.tensor(float(self.received)), reduce_op="max").item())
         if self.stopped_by:
@@ -67,6 +70,7 @@ class StopOnSignal(Callback):
         return RunInterrupted(f"stopped by {name} after {steps} steps; the checkpoint is {self.ckpt_path}. "
                               f"Run the same command again to resume from it.", self.stopped_by)
 
+    @override
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._restore()
 

@@ -9,6 +9,7 @@ from collections import deque
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
 
 from spectrain.errors import SpeculationDeadError, SyncMismatchError
 
@@ -31,7 +32,9 @@ class WeightSync(Callback):
 
     A failed check raises (`on_mismatch="raise"`, `on_dead="raise"`) with the sync version, or
     with `on_mismatch="warn"` warns, counts it (`sync/mismatches`) and re-sends the weights;
-    with `on_dead="disable"` the engine goes on with plain decoding and says so.
+    with `on_dead="disable"` the engine goes on with plain decoding and says so. One per engine,
+    under the class name as its state key (a second would sync every step twice; Lightning
+    refuses two stateful callbacks with one key).
 
     Args:
         check_alive: run the speculation check (needs a draft).
@@ -58,12 +61,14 @@ class WeightSync(Callback):
         self.recent_gains: deque[float] = deque(maxlen=window)
 
     # hooks ----------------------------------------------------------------------------
+    @override
     def on_train_start(self, trainer, pl_module) -> None:
         # The engine was started from the exported weights; after a resume the module holds newer ones.
         if self.speculation_disabled:
             self._disable_engine_speculation(pl_module)
         self.push(trainer, pl_module, draft=pl_module.draft is not None)
 
+    @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._check_rollout_logprobs(trainer, pl_module)
         if self.check_alive and not self.speculation_disabled:
@@ -164,11 +169,13 @@ class WeightSync(Callback):
             pl_module.engine.disable_speculation()
 
     # checkpoint -----------------------------------------------------------------------
+    @override
     def state_dict(self) -> dict:
         return {"policy_version": self.policy_version, "draft_version": self.draft_version,
                 "mismatches": self.mismatches, "speculation_disabled": self.speculation_disabled,
                 "recent_gains": list(self.recent_gains)}
 
+    @override
     def load_state_dict(self, state_dict: dict) -> None:
         self.policy_version = state_dict["policy_version"]
         self.draft_version = state_dict["draft_version"]

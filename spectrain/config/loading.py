@@ -64,6 +64,24 @@ def _load_with_defaults(path: Path, seen: tuple[Path, ...] = ()) -> list[DictCon
 
 # keys that were renamed: a recipe that still uses the old name is told the new one
 RENAMED_KEYS = {"draft.aux_layer_ids": "draft.tap_layers", "draft.ttt_steps": "draft.ttt_passes"}
+# keys that were removed: a recipe that still sets one is told why, and what to use instead
+REMOVED_KEYS = {"sft.eval_prompts": "nothing ever read it; the held-out evaluation's prompt count is "
+                                    "rollout.eval_prompts"}
+
+
+def upgrade_recorded_keys(settings):
+    """`settings` (a config tree an older spectrain recorded, plain or omegaconf) in today's keys: RENAMED_KEYS
+    under their new name, REMOVED_KEYS dropped (they never changed what a run trains), so the caches and runs it
+    recorded stay valid."""
+    for old, new in (*RENAMED_KEYS.items(), *((key, None) for key in REMOVED_KEYS)):
+        section, _, name = old.partition(".")
+        if name not in (settings.get(section) or {}):
+            continue
+        value = settings[section].pop(name)
+        if new is not None:
+            new_section, _, new_name = new.partition(".")
+            settings[new_section][new_name] = value
+    return settings
 
 
 def _merge(base: DictConfig, layer: DictConfig, origin: str) -> DictConfig:
@@ -74,6 +92,9 @@ def _merge(base: DictConfig, layer: DictConfig, origin: str) -> DictConfig:
         if key in RENAMED_KEYS:
             raise ConfigError(f"{origin}: '{key}' was renamed to '{RENAMED_KEYS[key]}' (docs/glossary.md); use the "
                               f"new name") from exc
+        if key in REMOVED_KEYS:
+            raise ConfigError(f"{origin}: '{key}' was removed: {REMOVED_KEYS[key]}. Delete the key "
+                              f"(docs/glossary.md lists renamed and removed keys)") from exc
         raise ConfigError(f"{origin}: bad value for '{key}': {_merge_reason(exc)}. "
                           f"Check the key's spelling and type against spectrain/config/schema.py "
                           f"(`spectrain show-config` prints every key with its default)") from exc

@@ -38,7 +38,6 @@ class SFTConfig:
     steps: int = 300
     batch_size: int = 64
     lr: float = 3e-3
-    eval_prompts: int = 128
 
 
 @dataclass

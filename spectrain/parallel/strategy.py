@@ -158,8 +158,8 @@ class SpecParallelStrategy(ParallelStrategy):
         assert self.parallel_devices is not None, "parallel_devices are set by the Trainer (devices=...)"
         return self.parallel_devices[self.local_rank]
 
-    @override
     def set_world_ranks(self) -> None:
+        # not a Strategy method: Lightning's accelerator connector calls it where a strategy has it (as DDP's).
         # torchrun fixed the ranks; Lightning's rank-zero-only loggers and prints must agree
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 

@@ -257,7 +257,7 @@ class GRPOModule(L.LightningModule):
         """One clipped policy-gradient update on `part` of the rollout.
 
         Ratios are taken against the engine's logprobs, which equal the trainer's before the first
-        update (tests/test_engine.py), so a single update is the plain on-policy gradient and later
+        update (tests/e2e/test_engine.py), so a single update is the plain on-policy gradient and later
         ones are clipped. Only the last update steps Lightning's optimizer wrapper: `global_step`
         counts GRPO steps (rollouts), not updates.
         """

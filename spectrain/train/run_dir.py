@@ -15,6 +15,7 @@ import torch
 from omegaconf import OmegaConf
 
 from spectrain.config import SpecTrainConfig, describe_differences, to_yaml
+from spectrain.config.loading import upgrade_recorded_keys
 from spectrain.errors import RunDirError
 
 MARKER = "spectrain_run.json"
@@ -81,7 +82,7 @@ class RunDir:
             return
         try:  # onto the schema: keys added to spectrain since the run started get their defaults
             before = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(SpecTrainConfig),
-                                                            OmegaConf.load(saved)))
+                                                            upgrade_recorded_keys(OmegaConf.load(saved))))
         except Exception as exc:  # YAML or schema errors: omegaconf's message says which
             raise RunDirError(f"{saved} cannot be read as a spectrain config ({type(exc).__name__}: {exc}); "
                               f"restore it, or choose another trainer.run_dir.") from exc

@@ -30,6 +30,7 @@ import torch
 from tqdm.auto import tqdm
 
 from spectrain.config import describe_differences
+from spectrain.config.loading import upgrade_recorded_keys
 from spectrain.errors import RunDirError
 from spectrain.models.eagle3 import Eagle3Config, Eagle3Draft, export_draft, load_draft
 from spectrain.models.hf_io import load_pretrained, save_pretrained
@@ -108,8 +109,8 @@ def cached(cache: Path, key: dict, what: str) -> bool:
                               f"is left of a run killed with an older spectrain.")
         return False
     try:
-        saved = json.loads(meta.read_text())["settings"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        saved = upgrade_recorded_keys(json.loads(meta.read_text())["settings"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise RunDirError(f"{meta} cannot be read ({type(exc).__name__}: {exc}); set trainer.warmstart_dir to "
                           f"another directory, or remove {cache} to train the {what} again there.") from exc
     if saved != key:

@@ -28,7 +28,7 @@ from spectrain.train.grpo import grpo_loss
 from spectrain.rollout.engine import Completion
 from tests.helpers import StandInModule
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 POLICY = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64)
 CAPTURE = (1, 2, 3)

@@ -157,3 +157,38 @@ def test_stop_on_signal_checkpoints_at_the_step_boundary(tmp_path):
     finally:
         callback.teardown(trainer, None, "fit")
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_every_overridden_hook_says_so():
+    """Lightning's convention: `@override` on each hook, so a renamed hook fails loudly instead of never running."""
+    from lightning.pytorch.callbacks import Callback
+
+    import spectrain.callbacks as callbacks
+
+    for cls in (c for c in vars(callbacks).values() if isinstance(c, type) and issubclass(c, Callback)):
+        for name, member in vars(cls).items():
+            if hasattr(Callback, name) and not name.startswith("__"):
+                function = member.fget if isinstance(member, property) else member
+                assert getattr(function, "__override__", False), f"{cls.__name__}.{name} lacks @override"
+
+
+def test_held_out_evaluations_keep_their_own_checkpoint_state():
+    from spectrain.callbacks import HeldOutEval
+
+    every_10, every_5 = HeldOutEval([1, 2], every_n_steps=10, samples=8), HeldOutEval([1, 2], every_n_steps=5, samples=8)
+    assert every_10.state_key != every_5.state_key
+    assert every_10.state_key == HeldOutEval([3, 4], every_n_steps=10, samples=8).state_key  # what a resume rebuilds
+
+
+def test_a_checkpoint_from_before_the_state_keys_still_restores_the_history():
+    """Checkpoints written before HeldOutEval's key named its settings hold its history under the class name."""
+    from spectrain.callbacks import HeldOutEval, RunHistory
+
+    old = {"callbacks": {"HeldOutEval": {"history": [{"step": 0, "greedy_reward": 0.5}]}, "RunHistory": {"history": []}}}
+    evaluation = HeldOutEval([1, 2], every_n_steps=10, samples=8)
+    evaluation.on_load_checkpoint(None, None, old)
+    evaluation.load_state_dict(old["callbacks"][evaluation.state_key])
+    assert evaluation.history == [{"step": 0, "greedy_reward": 0.5}]
+    # the trainer's own plots keep the class name; another with its own plot path checkpoints beside them
+    assert RunHistory().state_key == "RunHistory" and AcceptanceLengthLogger().state_key == "AcceptanceLengthLogger"
+    assert RunHistory(plot_path="copy.png").state_key != RunHistory().state_key

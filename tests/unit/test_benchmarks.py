@@ -1,0 +1,161 @@
+"""`spectrain bench` finds the benchmarks in the source tree, rejects bad options clearly, and
+the benchmarks' pure summaries compute what their reports print. No benchmark runs here
+(each takes minutes; see docs/benchmarks/)."""
+import importlib
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from spectrain import cli
+from spectrain.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _bench(capsys, *args: str) -> tuple[int, str]:
+    code = cli.main(["bench", *args])
+    return code, capsys.readouterr().err
+
+
+def test_the_cli_lists_every_benchmark_module():
+    modules = {p.stem for p in (REPO / "benchmarks").glob("*.py")} - {"__init__", "common"}
+    assert set(cli.BENCHMARKS) == modules
+
+
+@pytest.mark.parametrize("name", cli.BENCHMARKS)
+def test_every_benchmark_imports_and_has_main(name):
+    assert callable(importlib.import_module(f"benchmarks.{name}").main)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("pp", "layerz=4"), "bench pp: unknown option(s) layerz=4; use key=value with key in "),
+    (("pp", "rounds=many"), "bench pp: rounds='many': expected int, like the default rounds=8"),
+    (("cp", "tokens=1k,2k"), "bench cp: tokens='1k,2k' is not a comma-separated list of integers"),
+    (("cp", "cp=2,4"), "bench cp: cp=2,4 has no 1"),
+    (("adaptive", "prompts"), "bench adaptive: unknown option(s) prompts;"),
+    (("drift", "no_such.key=1"), "bench drift: "),
+])
+def test_a_bad_option_is_one_clear_error_before_any_work(capsys, args, message):
+    """The error comes from the benchmark module itself: `spectrain bench NAME` found and imported it."""
+    code, err = _bench(capsys, *args)
+    assert code == 2
+    assert err.startswith(f"error: {message}"), err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_without_the_source_tree_the_cli_says_where_benchmarks_live(capsys, monkeypatch, tmp_path):
+    """An installed wheel has no benchmarks/ beside the package."""
+    monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "spectrain" / "cli.py"))
+    code, err = _bench(capsys, "drift")
+    assert code == 2
+    assert f"no {tmp_path / 'site-packages' / 'benchmarks'} folder" in err
+    assert "pip install -e ." in err
+
+
+def test_the_package_never_imports_a_benchmark():
+    """At run time too (tests/unit/test_layers.py checks the source): `fit` and the CLI leave them out."""
+    code = ("import sys, spectrain.cli, spectrain.train.trainer; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'benchmarks'))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# ------------------------------------------------------------------------------ pure helpers
+def test_split_options_converts_known_keys_and_passes_the_rest_on():
+    from benchmarks.common import split_options
+
+    options, rest = split_options("x", ["steps=3", "grpo.lr=1e-4", "out=/tmp/o", "flag"],
+                                  {"steps": 20, "out": "docs", "scale": 1.5})
+    assert options == {"steps": 3, "out": "/tmp/o", "scale": 1.5}
+    assert rest == ["grpo.lr=1e-4", "flag"]
+
+
+def test_paired_ratios_pair_rounds_not_medians():
+    from benchmarks.common import paired_ratios
+
+    r = paired_ratios([2.0, 9.0, 3.0], [1.0, 10.0, 1.0])
+    assert r["runs"] == [2.0, 0.9, 3.0]
+    assert (r["median"], r["min"], r["max"]) == (2.0, 0.9, 3.0)
+    with pytest.raises(ValueError):  # unpaired lists are a bug, not a shorter summary
+        paired_ratios([1.0, 2.0], [1.0])
+
+
+@pytest.mark.parametrize("tokens", [1024, 5000, 32768])
+def test_cp_documents_cover_the_tokens_unequally(tokens):
+    from benchmarks.cp import MAX_DOC, doc_lengths
+
+    lens = doc_lengths(tokens)
+    assert sum(lens) == tokens and len(lens) >= 4
+    assert len(set(lens)) > 1  # unequal: zigzag balance is exercised
+    assert max(lens[1:]) <= MAX_DOC
+
+
+def test_cp_staircase_mask_is_the_causal_trunk_then_one_diagonal_per_pass():
+    from benchmarks.cp import staircase_mask
+
+    mask = staircase_mask(torch.tensor([0, 2, 5]), passes=2)
+    assert mask.shape == (5, 10)
+    assert mask[1, :2].tolist() == [True, True] and not mask[2, :2].any()  # no attention across documents
+    assert mask[2, 2:5].tolist() == [True, False, False]  # causal
+    assert mask[:, 5:].equal(torch.eye(5, dtype=torch.bool))
+
+
+def test_cp_loglog_slope():
+    from benchmarks.cp import loglog_slope
+
+    assert loglog_slope([1, 1000, 2000], [5, 10, 20]) == pytest.approx(1.0)
+    assert loglog_slope([1000, 2000], [1, 4]) == pytest.approx(2.0)
+
+
+def test_pp_overhead_is_paired_per_round():
+    from benchmarks.pp import _paired
+
+    r = _paired([1.1, 2.2, 1.0], [1.0, 2.0, 1.0])
+    assert r["paired"] == pytest.approx([0.1, 0.1, 0.0])
+    assert r["median"] == pytest.approx(0.1)
+    assert r["ratio_of_medians"] == pytest.approx(1.1 / 1.0 - 1)
+
+
+def test_drift_headline_ratios():
+    from benchmarks.drift import summarise
+
+    def history(acc, tok_s, draft_s):
+        return [{"step": i, "spec/mean_acceptance_length": acc, "rollout/tokens_per_s": tok_s, "time/step": 2.0,
+                 "draft/seconds": draft_s, "reward": 0.5} for i in range(4)]
+
+    runs = {"cotrained": history(3.0, 300.0, 0.5), "frozen": history(2.0, 240.0, math.nan),
+            "none": history(math.nan, 200.0, math.nan)}
+    summary = summarise({m: {"history": h, "warmstart_reward": 0.1, "final_reward": 0.2} for m, h in runs.items()})
+    h = summary["headline"]
+    assert h["acceptance_cotrained_over_frozen"] == pytest.approx(1.5)
+    assert h["rollout_speed_cotrained_over_none"] == pytest.approx(1.5)
+    assert h["rollout_speed_frozen_over_none"] == pytest.approx(1.2)
+    assert h["draft_share_of_step"] == pytest.approx(0.25)
+    assert summary["none"]["final_acceptance_length"] == 1.0
+
+
+def test_adaptive_live_buckets_cover_every_batch_size_once():
+    from benchmarks.adaptive import LIVE_BUCKET_EDGES, live_bucket
+
+    assert [live_bucket(n) for n in (1, 2, 3, 4, 5, 32, 33, 500)] == \
+        ["1-2", "1-2", "3-4", "3-4", "5-8", "17-32", "33+", "33+"]
+    assert len({live_bucket(n) for n in range(1, 100)}) == len(LIVE_BUCKET_EDGES) + 1
+
+
+def test_adaptive_toy_reward_is_the_share_of_even_tokens():
+    from benchmarks.adaptive import even_token_share
+
+    assert even_token_share([2, 3, 4, 5], "") == 0.5
+    assert even_token_share([], "") == 0.0
+
+
+def test_config_errors_are_spectrain_errors():
+    """The CLI prints a `SpecTrainError` as one line: the benchmarks' option errors must be one."""
+    from benchmarks.common import parse_options
+
+    with pytest.raises(ConfigError, match="unknown option"):
+        parse_options("x", ["nope=1"], {"steps": 1})
