@@ -4,13 +4,13 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from spectrain.callbacks.history import HistoryCallback
 from spectrain.plots import plot_panels
 
 
-class AcceptanceLengthLogger(Callback):
+class AcceptanceLengthLogger(HistoryCallback):
     """Logs the rollout's deltas of vLLM's spec-decode counters and plots them per step.
 
     Metrics: `spec/mean_acceptance_length` (1 + accepted/drafts: tokens per target forward),
@@ -19,8 +19,8 @@ class AcceptanceLengthLogger(Callback):
     """
 
     def __init__(self, plot_path: str | None = None) -> None:
+        super().__init__()
         self.plot_path = plot_path
-        self.history: list[dict] = []
 
     @property
     @override
@@ -61,10 +61,3 @@ class AcceptanceLengthLogger(Callback):
                 k.removesuffix("_rate"): (steps, [r.get(k, 0.0) for r in self.history]) for k in positions}),
         ])
 
-    @override
-    def state_dict(self) -> dict:
-        return {"history": self.history}
-
-    @override
-    def load_state_dict(self, state_dict: dict) -> None:
-        self.history = list(state_dict["history"])

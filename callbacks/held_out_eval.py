@@ -1,11 +1,12 @@
 """`HeldOutEval`: the held-out reward every N steps, so the run shows learning beyond train-batch noise."""
 from __future__ import annotations
 
-from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from spectrain.callbacks.history import HistoryCallback
 
-class HeldOutEval(Callback):
+
+class HeldOutEval(HistoryCallback):
     """Evaluates the policy the engine serves after every `every_n_steps` steps and at the end.
 
     Logs `eval/greedy_reward`, `eval/sampled_reward` and `eval/sampled_reward_se`, and keeps
@@ -18,7 +19,9 @@ class HeldOutEval(Callback):
     def __init__(self, examples, every_n_steps: int, samples: int, warmstart: dict[str, float] | None = None) -> None:
         assert every_n_steps >= 1, f"every_n_steps must be >= 1, got {every_n_steps}"
         self.examples, self.every_n_steps, self.samples = examples, every_n_steps, samples
-        self.history: list[dict] = [{"step": 0, **warmstart}] if warmstart else []
+        super().__init__()
+        if warmstart:
+            self.history.append({"step": 0, **warmstart})
 
     @property
     @override
@@ -60,10 +63,3 @@ class HeldOutEval(Callback):
         rows = [r for r in self.history if key in r]
         return [r["step"] for r in rows], [r[key] for r in rows]
 
-    @override
-    def state_dict(self) -> dict:
-        return {"history": self.history}
-
-    @override
-    def load_state_dict(self, state_dict: dict) -> None:
-        self.history = list(state_dict["history"])

@@ -4,14 +4,14 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from spectrain.callbacks.history import HistoryCallback
 from spectrain.callbacks.held_out_eval import HeldOutEval
 from spectrain.plots import plot_panels
 
 
-class RunHistory(Callback):
+class RunHistory(HistoryCallback):
     """Place it last: its step time then covers rollout, policy, draft and weight sync.
 
     Keeps one dict of scalar metrics per step (checkpointed, so a resumed run plots its
@@ -20,8 +20,8 @@ class RunHistory(Callback):
     """
 
     def __init__(self, plot_path: str | None = None) -> None:
+        super().__init__()
         self.plot_path = plot_path
-        self.history: list[dict] = []
         self._started = 0.0
 
     @property
@@ -64,10 +64,3 @@ class RunHistory(Callback):
         panels.append(("seconds", {"step": self.column("time/step"), "rollout": self.column("rollout/seconds")}))
         return plot_panels(path, "spectrain run", panels)
 
-    @override
-    def state_dict(self) -> dict:
-        return {"history": self.history}
-
-    @override
-    def load_state_dict(self, state_dict: dict) -> None:
-        self.history = list(state_dict["history"])

@@ -52,3 +52,30 @@ class StandInModule(nn.Module):
                 p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
         self.draft.set_vocab_mapping(*build_vocab_mapping(torch.rand(policy["vocab_size"]), draft_vocab_size))
         self.draft_inputs = []
+
+
+def mixed_length_batch(lengths: list[tuple[int, int]], vocab_size: int):
+    """Documents of (prompt, response) lengths with random tokens, advantages and engine logprobs (seeded)."""
+    from spectrain.batch import build_rollout_batch
+    from spectrain.rollout.engine import Completion
+
+    g = torch.Generator().manual_seed(1)
+    completions = []
+    for i, (p_len, r_len) in enumerate(lengths):
+        ids = torch.randint(4, vocab_size, (p_len + r_len,), generator=g).tolist()
+        logprobs = (-3 * torch.rand(r_len, generator=g, dtype=torch.float64) - 0.05).tolist()
+        completions.append(Completion(i, ids[:p_len], ids[p_len:], logprobs, True))
+    return build_rollout_batch(completions, torch.randn(len(completions), generator=g))
+
+
+def float64_grpo_loss_fn(num_tokens):
+    """GRPO against the engine's logprobs (so the ratio clips somewhere), in float64."""
+    from spectrain.train.grpo import grpo_loss
+
+    def loss_fn(logits, part):
+        logprobs = torch.log_softmax(logits, -1).gather(-1, part.targets.clamp_min(0)[:, None]).squeeze(-1)
+        out = grpo_loss(logprobs, part.rollout_logprobs.double(), part.advantages.double(), part.response_mask,
+                        0.2, num_tokens=num_tokens)
+        return out.loss, logprobs
+
+    return loss_fn

@@ -23,10 +23,7 @@ from spectrain.parallel.cp.plan import ContextParallelPlan, check_cp_attention_o
 from spectrain.parallel.mesh import build_mesh, check_mesh_shape
 from spectrain.parallel.plan import LocalPlan
 from spectrain.parallel.cp.ring import ZigzagRingAttentionOps
-from spectrain.batch import build_rollout_batch
-from spectrain.train.grpo import grpo_loss
-from spectrain.rollout.engine import Completion
-from tests.helpers import StandInModule
+from tests.helpers import StandInModule, float64_grpo_loss_fn, mixed_length_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICY = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=4, num_attention_heads=4,
@@ -41,31 +38,13 @@ def _models(seed: int) -> StandInModule:
 
 
 def _batch():
-    """Six documents of mixed lengths (one shorter than 2*cp chunks), random advantages and engine logprobs."""
-    g = torch.Generator().manual_seed(1)
-    completions = []
-    for i, (p_len, r_len) in enumerate([(4, 9), (6, 1), (3, 22), (5, 12), (2, 2), (7, 17)]):
-        ids = torch.randint(4, POLICY["vocab_size"], (p_len + r_len,), generator=g).tolist()
-        logprobs = (-3 * torch.rand(r_len, generator=g, dtype=torch.float64) - 0.05).tolist()
-        completions.append(Completion(i, ids[:p_len], ids[p_len:], logprobs, True))
-    return build_rollout_batch(completions, torch.randn(len(completions), generator=g))
-
-
-def _loss_fn(num_tokens):
-    """GRPO with the engine's logprobs as the old policy (so the ratio clips somewhere), in float64."""
-
-    def loss_fn(logits, part):
-        logprobs = torch.log_softmax(logits, -1).gather(-1, part.targets.clamp_min(0)[:, None]).squeeze(-1)
-        out = grpo_loss(logprobs, part.rollout_logprobs.double(), part.advantages.double(), part.response_mask,
-                        0.2, num_tokens=num_tokens)
-        return out.loss, logprobs
-
-    return loss_fn
+    """Six documents of mixed lengths (one shorter than 2*cp chunks)."""
+    return mixed_length_batch([(4, 9), (6, 1), (3, 22), (5, 12), (2, 2), (7, 17)], POLICY["vocab_size"])
 
 
 def _step(plan, models, batch, reduce):
     """One policy + draft step through `plan`; everything the step produces, summed over ranks."""
-    result = plan.policy_forward_backward(models.policy, batch, _loss_fn(batch.num_response_tokens), CAPTURE,
+    result = plan.policy_forward_backward(models.policy, batch, float64_grpo_loss_fn(batch.num_response_tokens), CAPTURE,
                                           lambda loss: loss.backward())
     plan.reduce_gradients(models.policy)
     models.draft_inputs = result.draft_inputs

@@ -16,10 +16,7 @@ from spectrain.parallel.mesh import build_mesh
 from spectrain.parallel.pp.runner import split_microbatches
 from spectrain.parallel.pp.plan import PipelinePlan, concat_batches, microbatch_budget
 from spectrain.parallel.plan import LocalPlan
-from spectrain.batch import build_rollout_batch
-from spectrain.train.grpo import grpo_loss
-from spectrain.rollout.engine import Completion
-from tests.helpers import StandInModule
+from tests.helpers import StandInModule, float64_grpo_loss_fn, mixed_length_batch
 
 POLICY = dict(vocab_size=32, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64)
@@ -34,26 +31,8 @@ def _models(seed: int) -> StandInModule:
 
 
 def _batch():
-    """Eight documents of mixed lengths, random advantages and engine logprobs."""
-    g = torch.Generator().manual_seed(1)
-    completions = []
-    for i, (p_len, r_len) in enumerate([(4, 9), (6, 1), (3, 22), (5, 12), (2, 2), (7, 17), (3, 5), (4, 8)]):
-        ids = torch.randint(4, POLICY["vocab_size"], (p_len + r_len,), generator=g).tolist()
-        logprobs = (-3 * torch.rand(r_len, generator=g, dtype=torch.float64) - 0.05).tolist()
-        completions.append(Completion(i, ids[:p_len], ids[p_len:], logprobs, True))
-    return build_rollout_batch(completions, torch.randn(len(completions), generator=g))
-
-
-def _loss_fn(num_tokens):
-    """GRPO against the engine's logprobs (so the ratio clips somewhere), in float64."""
-
-    def loss_fn(logits, part):
-        logprobs = torch.log_softmax(logits, -1).gather(-1, part.targets.clamp_min(0)[:, None]).squeeze(-1)
-        out = grpo_loss(logprobs, part.rollout_logprobs.double(), part.advantages.double(), part.response_mask,
-                        0.2, num_tokens=num_tokens)
-        return out.loss, logprobs
-
-    return loss_fn
+    """Eight documents of mixed lengths."""
+    return mixed_length_batch([(4, 9), (6, 1), (3, 22), (5, 12), (2, 2), (7, 17), (3, 5), (4, 8)], POLICY["vocab_size"])
 
 
 def _grads(module):
@@ -63,7 +42,7 @@ def _grads(module):
 def _step(plan, models, batch):
     """Policy step, clip, draft step (where the draft lives), SGD, then weight sync; what each produced."""
     out = {}
-    result = plan.policy_forward_backward(models.policy, batch, _loss_fn(batch.num_response_tokens), CAPTURE,
+    result = plan.policy_forward_backward(models.policy, batch, float64_grpo_loss_fn(batch.num_response_tokens), CAPTURE,
                                           lambda loss: loss.backward())
     plan.reduce_gradients(models.policy)
     out.update(policy_loss=result.loss.double(), logprobs=result.logprobs, batch=result.batch,
