@@ -82,15 +82,16 @@ def test_module_checkpoints_the_bandit_state():
 
     config = load_config("tiny_cpu_bandit", ["speculation.verify_budget=16"])
     module = GRPOModule(config, LlamaForCausalLM(LlamaConfig()), None, None, None)
-    module.speculation = BanditController(BanditSelector([SpecArm(1), SpecArm(3)], epsilon=0.0, seed=0))
-    module.speculation.before_step(8)
-    module.speculation.after_step(record(8))
-    module.speculation.after_step(record(8, drafts=8, accepted=8))
+    controller = module.stepwise.controller = BanditController(BanditSelector([SpecArm(1), SpecArm(3)], epsilon=0.0,
+                                                                               seed=0))
+    controller.before_step(8)
+    controller.after_step(record(8))
+    controller.after_step(record(8, drafts=8, accepted=8))
     checkpoint = {}
     module.on_save_checkpoint(checkpoint)
     resumed = GRPOModule(config, LlamaForCausalLM(LlamaConfig()), None, None, None)
     resumed.on_load_checkpoint(checkpoint)  # before the first rollout: kept until the controller is built
-    assert resumed._speculation_state["selector"]["counts"] == [[1, 0]]
+    assert resumed.stepwise.state_dict()["selector"]["counts"] == [[1, 0]]
 
 
 # ------------------------------------------------------------------------ with vLLM
