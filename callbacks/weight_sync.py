@@ -13,7 +13,7 @@ from typing_extensions import override
 
 from spectrain.errors import SpeculationDeadError, SyncMismatchError
 
-# defaults by the trainer's parameter dtype: float32 engines agree to ~1e-7, bf16 ones to ~1e-2
+# defaults by the dtype trainer and engine compute in: float32 engines agree to ~1e-7, bf16 ones to ~1e-2
 _LOGPROB_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 5e-2}
 _WEIGHT_RTOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
@@ -185,4 +185,9 @@ class WeightSync(Callback):
 
 
 def _policy_dtype(pl_module) -> torch.dtype:
+    """The coarser of the trainer's and the engine's dtype: what the two can agree to (bf16 under `policy.dtype`
+    or `rollout.dtype` = bfloat16, whatever the float32 master weights)."""
+    config = getattr(pl_module, "config", None)
+    if config is not None and "bfloat16" in (config.policy.dtype, config.rollout.dtype):
+        return torch.bfloat16
     return next(pl_module.policy.parameters()).dtype

@@ -6,7 +6,7 @@ microbatches it, `train/` computes the GRPO and draft losses on it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -36,6 +36,10 @@ class RolloutBatch:
     @property
     def num_response_tokens(self) -> int:
         return int(self.response_mask.sum())
+
+    def to(self, device: torch.device) -> "RolloutBatch":
+        """The batch on `device` (the engine hands back CPU lists; the policy may train on a GPU)."""
+        return RolloutBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
 
     def select(self, doc_indices: list[int]) -> "RolloutBatch":
         """The sub-batch of the given documents (microbatching, dp sharding)."""

@@ -79,3 +79,17 @@ def float64_grpo_loss_fn(num_tokens):
         return out.loss, logprobs
 
     return loss_fn
+
+
+def write_hf_checkpoint(path, config, seed: int = 0, **save_kwargs):
+    """A random checkpoint written by transformers (returned, in eval mode); every tensor (norms and
+    biases too) is random, so a dropped bias, norm or rope detail shows in the logits."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(mean=1.0 if name.endswith("norm.weight") else 0.0, std=0.2 if p.dim() == 1 else 0.1)
+    model.save_pretrained(path, **save_kwargs)
+    return model.eval()

@@ -8,6 +8,7 @@ rejects impossible values before any work starts. Every error names the key and 
 """
 from __future__ import annotations
 
+import os
 from importlib import resources
 from pathlib import Path
 
@@ -63,7 +64,10 @@ def _load_with_defaults(path: Path, seen: tuple[Path, ...] = ()) -> list[DictCon
 
 
 # keys that were renamed: a recipe that still uses the old name is told the new one
-RENAMED_KEYS = {"draft.aux_layer_ids": "draft.tap_layers", "draft.ttt_steps": "draft.ttt_passes"}
+RENAMED_KEYS = {"draft.aux_layer_ids": "draft.tap_layers", "draft.ttt_steps": "draft.ttt_passes",
+                "task.path": "data.train_files", "task.on_bad_row": "data.on_bad_row", "task.reward": "reward.name",
+                "task.partial_credit": "reward.partial_credit"}
+RENAMED_VALUES = {("task.name", "jsonl"): "files"}  # a recorded value under its new name
 # keys that were removed: a recipe that still sets one is told why, and what to use instead
 REMOVED_KEYS = {"sft.eval_prompts": "nothing ever read it; the held-out evaluation's prompt count is "
                                     "rollout.eval_prompts"}
@@ -80,7 +84,13 @@ def upgrade_recorded_keys(settings):
         value = settings[section].pop(name)
         if new is not None:
             new_section, _, new_name = new.partition(".")
+            if new_section not in settings:  # DictConfig.setdefault returns a copy, not the node
+                settings[new_section] = {}
             settings[new_section][new_name] = value
+    for (key, old_value), new_value in RENAMED_VALUES.items():
+        section, _, name = key.partition(".")
+        if (settings.get(section) or {}).get(name) == old_value:
+            settings[section][name] = new_value
     return settings
 
 
@@ -122,13 +132,38 @@ def _leaf_keys(node: DictConfig, prefix: str = "") -> set[str]:
         full = f"{prefix}{key}"
         if OmegaConf.is_missing(node, key):
             continue
-        value = node[key]
+        value = node._get_node(key)  # unresolved: interpolations resolve once, in to_object
         keys |= _leaf_keys(value, f"{full}.") if isinstance(value, DictConfig) else {full}
     return keys
 
 
 def _first_line(exc: Exception) -> str:
     return str(exc).strip().splitlines()[0]
+
+
+ASSET_CACHE_ENV = "SPECTRAIN_CACHE"  # where generated assets go; default ~/.cache/spectrain
+
+
+def asset_path(name: str) -> str:
+    """`${spectrain.asset:hf_tiny/policy}` in a recipe: a file or directory the project generates itself (no hub is
+    needed), written once under $SPECTRAIN_CACHE (default ~/.cache/spectrain) and reused after."""
+    from spectrain.tasks.hf_tiny import write_hf_tiny_assets
+
+    bundle, _, part = name.partition("/")
+    if bundle != "hf_tiny":
+        raise ConfigError(f"unknown asset '{name}' in ${{spectrain.asset:...}}; the project generates hf_tiny/policy, "
+                          f"hf_tiny/train, hf_tiny/val and hf_tiny/draft")
+    root = Path(os.environ.get(ASSET_CACHE_ENV) or Path.home() / ".cache" / "spectrain") / "assets"
+    assets = write_hf_tiny_assets(root / bundle)
+    paths = {"policy": assets.policy_dir, "train": assets.train_file, "val": assets.val_file,
+             "draft": assets.draft_dir}
+    if part not in paths:
+        raise ConfigError(f"unknown asset '{name}'; hf_tiny has {sorted(paths)}")
+    return str(paths[part])
+
+
+if not OmegaConf.has_resolver("spectrain.asset"):
+    OmegaConf.register_resolver("spectrain.asset", asset_path)
 
 
 def load_config(recipe: str | None = None, overrides: list[str] | None = None) -> SpecTrainConfig:
@@ -153,7 +188,11 @@ def load_config(recipe: str | None = None, overrides: list[str] | None = None) -
     if missing:
         raise ConfigError(f"required values are missing (???): {missing}; set them in the recipe "
                           f"or on the command line, e.g. {missing[0]}=...")
-    config: SpecTrainConfig = OmegaConf.to_object(cfg)
+    try:
+        config: SpecTrainConfig = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as exc:  # an interpolation that does not resolve
+        reason = _first_line(exc).split("resolving interpolation: ")[-1]
+        raise ConfigError(f"{getattr(exc, 'full_key', '?')}: {reason}") from exc
     validate(config)
     return config
 

@@ -9,8 +9,14 @@ from omegaconf import MISSING
 DEFAULT_RECIPE = "tiny_cpu"
 
 
+POLICY_DTYPES = ("float32", "bfloat16")
+
+
 @dataclass
 class PolicyConfig:
+    path: str | None = None  # a local Hugging Face checkpoint directory; None: the toy policy below, built from scratch
+    dtype: str = "float32"  # float32 | bfloat16 (bf16 mixed precision: float32 master weights and optimizer state)
+    # the toy policy's architecture (ignored with `path`: the checkpoint's config.json decides)
     hidden_size: int = 128
     intermediate_size: int = 384
     num_hidden_layers: int = 4
@@ -22,19 +28,47 @@ class PolicyConfig:
 
 
 @dataclass
+class TokenizerConfig:
+    path: str | None = None  # None: policy.path's own tokenizer (the character tokenizer for the toy policy)
+    chat_template: bool | None = None  # None: apply the tokenizer's chat template when it has one
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {enable_thinking: false} for Qwen3
+    system_prompt: str | None = None
+
+
+@dataclass
 class TaskConfig:
-    name: str = "arithmetic"  # arithmetic | jsonl
+    name: str = "arithmetic"  # arithmetic (synthetic, below) | files (data.train_files)
     digits: int = 2
     operands: int = 2
-    path: str | None = None  # JSONL with {"prompt", "answer"} rows when name == jsonl
-    on_bad_row: str = "skip"  # skip | error
-    reward: str = "exact_answer"
-    partial_credit: float = 0.0  # reward share for a wrong answer with some right digits
+
+
+@dataclass
+class DataConfig:
+    """Prompt files, in verl's key names: JSONL or parquet rows with a prompt and a reference answer."""
+
+    train_files: Any = None  # a path or a list of paths (.jsonl, .parquet); used when task.name=files
+    val_files: Any = None  # held-out prompts; None: drawn from the train files with the evaluation seed
+    prompt_key: str = "prompt"  # a string, or a list of chat messages ({role, content}); dotted for nested keys
+    answer_key: str = "answer"  # the reference the reward compares with (e.g. reward_model.ground_truth)
+    target_key: str = "target"  # optional worked solution the SFT warm start teaches (rows without one: the answer)
+    prompt_template: str | None = None  # e.g. "{prompt} Let's think step by step.", applied to string prompts
+    max_prompt_length: int | None = None  # in tokens, chat template included
+    filter_overlong_prompts: bool = True  # drop (and count) longer prompts; false: refuse the file
+    on_bad_row: str = "skip"  # skip (with a count) | error
+
+
+@dataclass
+class RewardConfig:
+    name: str = "exact_answer"  # exact_answer | math_verify | custom
+    partial_credit: float = 0.0  # exact_answer: reward share for a wrong answer with some right digits
+    path: str | None = None  # custom: a .py file (verl's custom_reward_function.path)
+    function: str = "compute_score"  # custom: the function in it (verl's custom_reward_function.name)
+    timeout_s: float = 10.0  # custom: per-call limit
 
 
 @dataclass
 class SFTConfig:
-    enabled: bool = True
+    enabled: bool | None = None  # None: on for the toy policy, off for a pretrained policy.path
     steps: int = 300
     batch_size: int = 64
     lr: float = 3e-3
@@ -53,6 +87,9 @@ class RolloutConfig:
     kv_cache_gib: float = 1.0
     eval_prompts: int = 128
     eval_samples: int = 8  # sampled completions per held-out prompt
+    dtype: str = "auto"  # the engine's dtype; auto: policy.dtype
+    gpu_memory_utilization: float = 0.6  # vLLM on CUDA: share of the GPU for weights + KV cache (CPU: kv_cache_gib)
+    tensor_parallel_size: int = 1  # vLLM on CUDA
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)  # extra vllm.LLM arguments (e.g. num_gpu_blocks_override)
 
 
@@ -71,6 +108,9 @@ class GRPOConfig:
 @dataclass
 class DraftConfig:
     mode: str = "cotrained"  # cotrained | frozen | none
+    init: str = "scratch"  # scratch | path (an EAGLE-3 directory in vLLM's / SpecForge's layout)
+    path: str | None = None
+    draft_vocab_size: int | None = None  # None: the policy's vocabulary; smaller: d2t/t2d from the train data's tokens
     num_speculative_tokens: int = 3
     ttt_passes: int = 3
     tap_layers: list[int] | None = None  # None: vLLM's (2, n//2, n-3); (1, n//2, n-1) if those repeat
@@ -128,6 +168,7 @@ class CallbackConfig:
 
 @dataclass
 class TrainerConfig:
+    accelerator: str = "auto"  # auto (cuda when available) | cpu | cuda
     max_steps: int = 20
     seed: int = 0
     run_dir: str = "runs/tiny_cpu"
@@ -141,7 +182,7 @@ class TrainerConfig:
     callbacks: list[CallbackConfig] = field(default_factory=list)
 
 
-VLLM_KWARGS_SET_BY_SPECTRAIN = ("model", "dtype", "max_model_len", "seed", "enforce_eager", "enable_prefix_caching",
+VLLM_KWARGS_SET_BY_SPECTRAIN = ("model", "tokenizer", "dtype", "gpu_memory_utilization", "tensor_parallel_size", "max_model_len", "seed", "enforce_eager", "enable_prefix_caching",
                                 "disable_log_stats", "kv_cache_memory_bytes", "speculative_config")
 
 
@@ -155,7 +196,10 @@ class SyncConfig:
 @dataclass
 class SpecTrainConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)

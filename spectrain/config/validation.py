@@ -5,7 +5,8 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from spectrain.config.schema import (PP_STAGES_PER_RANK, VLLM_KWARGS_SET_BY_SPECTRAIN, SpecTrainConfig)
+from spectrain.config.schema import (POLICY_DTYPES, PP_STAGES_PER_RANK, VLLM_KWARGS_SET_BY_SPECTRAIN,
+                                     SpecTrainConfig)
 from spectrain.errors import ConfigError
 from spectrain.tasks.rewards import REWARD_FNS
 
@@ -75,6 +76,12 @@ def _check_ranges(c: SpecTrainConfig) -> None:
 
 def _check_policy(c: SpecTrainConfig) -> None:
     p = c.policy
+    _one_of(p.dtype, "policy.dtype", POLICY_DTYPES)
+    _one_of(c.rollout.dtype, "rollout.dtype", ("auto", *POLICY_DTYPES))
+    if p.path is not None:  # the checkpoint's config.json decides the architecture (checked when it is read)
+        _require(bool(p.path.strip()), "policy.path", "is empty; give a Hugging Face model directory, or null for "
+                 "the toy policy")
+        return
     _require(p.num_attention_heads % p.num_key_value_heads == 0, "policy.num_key_value_heads",
              f"num_attention_heads={p.num_attention_heads} must be a multiple of it")
     _require(p.hidden_size % p.num_attention_heads == 0, "policy.hidden_size",
@@ -88,16 +95,32 @@ def _check_policy(c: SpecTrainConfig) -> None:
 
 
 def _check_task(c: SpecTrainConfig) -> None:
-    t = c.task
-    _one_of(t.name, "task.name", ("arithmetic", "jsonl"))
-    _one_of(t.on_bad_row, "task.on_bad_row", ("skip", "error"))
-    _require(t.name != "jsonl" or bool(t.path), "task.path", "task.name=jsonl needs task.path=/path/to/prompts.jsonl")
+    t, data = c.task, c.data
+    _require(t.name != "jsonl", "task.name", "'jsonl' is now 'files': set task.name=files and "
+             "data.train_files=/path/to/prompts.jsonl (docs/your_model.md)")
+    _one_of(t.name, "task.name", ("arithmetic", "files"))
+    _require(t.name != "files" or bool(data.train_files), "data.train_files",
+             "task.name=files needs data.train_files=/path/to/train.jsonl (or .parquet, or a list of files)")
+    _require(t.name == "files" or not data.train_files, "task.name",
+             f"is {t.name}, but data.train_files is set; set task.name=files to train on the files")
     _require(t.operands >= 2, "task.operands", f"is {t.operands}; an arithmetic prompt needs >= 2 operands")
-    _one_of(t.reward, "task.reward", tuple(sorted(REWARD_FNS)))
-    _require(0 <= t.partial_credit < 1, "task.partial_credit",
-             f"is {t.partial_credit}; it must be in [0, 1): a wrong answer must score below a right one")
-    _require(not c.sft.enabled or c.sft.steps >= 1, "sft.steps",
+    _one_of(data.on_bad_row, "data.on_bad_row", ("skip", "error"))
+    _require(data.max_prompt_length is None or data.max_prompt_length >= 1, "data.max_prompt_length",
+             f"is {data.max_prompt_length}; give a token count >= 1, or null for no limit")
+    _require(data.prompt_template is None or "{prompt}" in data.prompt_template, "data.prompt_template",
+             f"{data.prompt_template!r} has no {{prompt}} placeholder; e.g. '{{prompt}} Answer after ####.'")
+    _require(c.sft.enabled is False or c.sft.steps >= 1, "sft.steps",
              f"is {c.sft.steps}; it must be >= 1 (set sft.enabled=false to skip the warm start)")
+
+
+def _check_reward(c: SpecTrainConfig) -> None:
+    r = c.reward
+    _one_of(r.name, "reward.name", tuple(sorted(REWARD_FNS)))
+    _require(0 <= r.partial_credit < 1, "reward.partial_credit",
+             f"is {r.partial_credit}; it must be in [0, 1): a wrong answer must score below a right one")
+    _require(r.name != "custom" or bool(r.path), "reward.path",
+             "reward.name=custom needs reward.path=/path/to/reward.py (with reward.function, default compute_score)")
+    _require(r.timeout_s > 0, "reward.timeout_s", f"is {r.timeout_s}; give seconds > 0")
 
 
 def _check_rollout(c: SpecTrainConfig) -> None:
@@ -110,11 +133,15 @@ def _check_rollout(c: SpecTrainConfig) -> None:
              f"is {r.temperature}; GRPO needs sampling (greedy decoding gives a group identical completions and "
              f"so no advantage): use a temperature > 0, e.g. 1.0")
     _require(0 < r.top_p <= 1, "rollout.top_p", f"is {r.top_p}; it must be in (0, 1]")
+    _require(0 < r.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization",
+             f"is {r.gpu_memory_utilization}; give vLLM's share of the GPU, in (0, 1], e.g. 0.6")
+    _require(r.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", f"is {r.tensor_parallel_size}; it must be >= 1")
     _require(r.kv_cache_gib > 0, "rollout.kv_cache_gib",
              f"is {r.kv_cache_gib}; give the vLLM KV cache size in GiB, > 0 (fractions are honoured, e.g. 0.5)")
     managed = sorted(set(r.vllm_kwargs) & set(VLLM_KWARGS_SET_BY_SPECTRAIN))
-    _require(not managed, "rollout.vllm_kwargs", f"sets {managed}, which spectrain sets itself: use rollout.max_model_len, "
-             f"rollout.kv_cache_gib, draft.* and trainer.seed instead, and drop them from rollout.vllm_kwargs")
+    _require(not managed, "rollout.vllm_kwargs", f"sets {managed}, which spectrain sets itself: use policy.path, rollout.dtype, "
+             f"rollout.max_model_len, rollout.kv_cache_gib, rollout.gpu_memory_utilization, "
+             f"rollout.tensor_parallel_size, draft.* and trainer.seed instead, and drop them from rollout.vllm_kwargs")
 
 
 def _check_grpo(c: SpecTrainConfig) -> None:
@@ -130,6 +157,13 @@ def _check_grpo(c: SpecTrainConfig) -> None:
 def _check_draft(c: SpecTrainConfig) -> None:
     d, layers = c.draft, c.policy.num_hidden_layers
     _one_of(d.mode, "draft.mode", ("cotrained", "frozen", "none"))
+    _one_of(d.init, "draft.init", ("scratch", "path"))
+    _require(d.init != "path" or bool(d.path), "draft.path",
+             "draft.init=path needs draft.path=/path/to/eagle3_draft (a vLLM / SpecForge EAGLE-3 directory)")
+    _require(d.draft_vocab_size is None or d.draft_vocab_size >= 1, "draft.draft_vocab_size",
+             f"is {d.draft_vocab_size}; give a token count >= 1 (e.g. 32000), or null for the policy's vocabulary")
+    if c.policy.path is not None:
+        return  # the layer count comes from the checkpoint: checked when the draft is built
     _require(0 < d.pass_decay <= 1, "draft.pass_decay", f"is {d.pass_decay}; it must be in (0, 1]")
     if d.tap_layers is not None:
         bad = [i for i in d.tap_layers if not 0 <= i < layers]
@@ -185,6 +219,7 @@ def _check_sync(c: SpecTrainConfig) -> None:
 
 def _check_trainer(c: SpecTrainConfig) -> None:
     t = c.trainer
+    _one_of(t.accelerator, "trainer.accelerator", ("auto", "cpu", "cuda"))
     _one_of(t.resume, "trainer.resume", ("auto", "never"))
     _one_of(t.logger, "trainer.logger", ("csv", "tensorboard"))
     _require(0 <= t.seed <= _MAX_SEED, "trainer.seed", f"is {t.seed}; it must be in 0..{_MAX_SEED}")
@@ -203,6 +238,6 @@ def _check_trainer(c: SpecTrainConfig) -> None:
 def validate(c: SpecTrainConfig) -> None:
     """Reject impossible values before any work starts; every message names the key and the fix."""
     _check_ranges(c)
-    for check in (_check_policy, _check_task, _check_rollout, _check_grpo, _check_draft, _check_parallel,
+    for check in (_check_policy, _check_task, _check_reward, _check_rollout, _check_grpo, _check_draft, _check_parallel,
                   _check_speculation, _check_sync, _check_trainer):
         check(c)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from spectrain.errors import ConfigError
 from spectrain.models.llama import (
     Attention,
     LlamaConfig,
@@ -31,6 +33,7 @@ from spectrain.models.llama import (
     rope_cos_sin,
 )
 from spectrain.ops.ttt_attention import ttt_attention
+from spectrain.tasks.draft_vocab import build_vocab_mapping
 
 _WEIGHTS = "model.safetensors"
 
@@ -84,16 +87,11 @@ class Eagle3Config:
         tap_layers: Sequence[int] | None = None,
         intermediate_size: int | None = None,
     ) -> "Eagle3Config":
-        """A draft sized like one layer of `policy`, reading its embeddings and aux states.
-
-        Default aux ids are vLLM's `(2, n//2, n-3)`; for policies too shallow for three
-        distinct ones, `(1, n//2, n-1)`.
-        """
+        """A draft sized like one layer of `policy`, reading its embeddings and aux states
+        (by default `default_aux_layers`)."""
         n = policy.num_hidden_layers
         if tap_layers is None:
-            tap_layers = default_tap_layers(n)
-            if len(set(tap_layers)) < 3 or min(tap_layers) < 0:
-                tap_layers = (1, n // 2, n - 1)
+            tap_layers = default_aux_layers(n)
         if max(tap_layers) >= n or min(tap_layers) < 0:
             raise ValueError(f"tap_layers={tuple(tap_layers)} must be in 0..{n - 1} "
                              f"(the policy has {n} layers)")
@@ -123,6 +121,15 @@ class Eagle3Config:
             rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
             max_position_embeddings=self.max_position_embeddings,
         )
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """vLLM's default aux ids `(2, n//2, n-3)`, or `(1, n//2, n-1)` where those are not three
+    distinct layers (shallow policies: vLLM would capture fewer states than `fc` expects)."""
+    ids = default_tap_layers(num_layers)
+    if len(set(ids)) < 3 or min(ids) < 0:
+        ids = (1, num_layers // 2, num_layers - 1)
+    return ids
 
 
 class Eagle3Midlayer(nn.Module):
@@ -241,24 +248,6 @@ def shift_within_docs(x: torch.Tensor, cu_seqlens: torch.Tensor, shift: int, fil
     return out
 
 
-def build_vocab_mapping(token_counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(d2t int64 [Vd], t2d bool [V])` for the `Vd` most frequent target tokens.
-
-    The kept ids are sorted so draft id order is target id order (`logits[:, t2d]` is then
-    in draft order); ties go to the lower id. `d2t[i] = used[i] - i`, vLLM's offset form.
-    """
-    assert token_counts.dim() == 1, token_counts.shape
-    vocab = token_counts.shape[0]
-    if not 0 < draft_vocab_size <= vocab:
-        raise ValueError(f"draft_vocab_size={draft_vocab_size} must be in 1..{vocab}")
-    order = torch.sort(token_counts.cpu().double(), descending=True, stable=True).indices
-    used = order[:draft_vocab_size].sort().values
-    d2t = used - torch.arange(draft_vocab_size)
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[used] = True
-    return d2t.long(), t2d
-
-
 @dataclass
 class TTTMetrics:
     """Per-pass sums `[K]` (all-reduce them across DP/CP ranks before dividing)."""
@@ -351,16 +340,27 @@ def _checkpoint_tensors(draft: Eagle3Draft, dtype: torch.dtype) -> dict[str, tor
     return tensors
 
 
-def draft_config_dict(cfg: Eagle3Config, policy_cfg: LlamaConfig, dtype: torch.dtype = torch.float32) -> dict:
-    """The vLLM EAGLE-3 `config.json`; checks that the draft fits `policy_cfg`."""
+def policy_mismatches(cfg: Eagle3Config, policy_cfg: LlamaConfig) -> list[str]:
+    """Why the draft cannot run on `policy_cfg` (empty if it can): it reads the policy's
+    embeddings and aux states, and proposes ids of the policy's vocabulary."""
     problems = []
     if cfg.vocab_size != policy_cfg.vocab_size:
         problems.append(f"vocab_size {cfg.vocab_size} != policy's {policy_cfg.vocab_size}")
     if cfg.target_hidden_size != policy_cfg.hidden_size:
-        problems.append(f"target_hidden_size {cfg.target_hidden_size} != policy's {policy_cfg.hidden_size}")
+        problems.append(f"target_hidden_size {cfg.target_hidden_size} != policy's hidden_size "
+                        f"{policy_cfg.hidden_size}")
+    if cfg.hidden_size != policy_cfg.hidden_size:
+        problems.append(f"hidden_size {cfg.hidden_size} != policy's {policy_cfg.hidden_size} "
+                        "(the draft reads the policy's embeddings)")
     if max(cfg.tap_layers) >= policy_cfg.num_hidden_layers:
         problems.append(f"tap_layers {cfg.tap_layers} beyond the policy's "
                         f"{policy_cfg.num_hidden_layers} layers")
+    return problems
+
+
+def draft_config_dict(cfg: Eagle3Config, policy_cfg: LlamaConfig, dtype: torch.dtype = torch.float32) -> dict:
+    """The vLLM EAGLE-3 `config.json`; checks that the draft fits `policy_cfg`."""
+    problems = policy_mismatches(cfg, policy_cfg)
     if problems:
         raise ValueError("the draft does not fit the policy: " + "; ".join(problems))
     fields = {f: getattr(cfg, f) for f in (
@@ -391,8 +391,9 @@ def export_draft(draft: Eagle3Draft, out_dir: str | Path, policy_cfg: LlamaConfi
                  dtype: torch.dtype = torch.float32) -> Path:
     """Write `config.json` + `model.safetensors` in the vLLM EAGLE-3 format.
 
-    No `embed_tokens` (vLLM then shares the target's); `t2d` rides along for `load_draft`
-    (vLLM's loader skips it).
+    No `embed_tokens` (vLLM then shares the target's, as this draft does); the aux layers
+    always go into `eagle_config`, so vLLM taps what the draft was trained on; `t2d` rides
+    along for `load_draft` (vLLM's loader skips it).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -404,31 +405,153 @@ def export_draft(draft: Eagle3Draft, out_dir: str | Path, policy_cfg: LlamaConfi
     return out
 
 
-def load_draft(draft_dir: str | Path, dtype: torch.dtype = torch.float32) -> Eagle3Draft:
-    """Read a directory written by `export_draft` (or any vLLM Llama EAGLE-3 draft without embeddings)."""
+# vLLM EAGLE-3 options and the value this draft implements: any other changes the numerics.
+_IMPLEMENTED_VARIANT = {
+    "num_hidden_layers": 1, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+    "fc_norm": False, "norm_before_fc": False, "norm_output": False, "norm_before_residual": False,
+    "use_aux_hidden_state": True,
+}
+
+
+def load_draft(draft_dir: str | Path, dtype: torch.dtype = torch.float32, policy_cfg: LlamaConfig | None = None,
+               policy_embeddings: torch.Tensor | None = None) -> Eagle3Draft:
+    """Read an EAGLE-3 directory (`LlamaForCausalLMEagle3`): `export_draft`'s, vLLM's or SpecForge's.
+
+    Args:
+        policy_cfg: the policy the draft will run on; checked against, and needed for a
+            config without `eagle_config` (then the aux layers default, with a warning).
+        policy_embeddings: the policy's `embed_tokens` weight. A checkpoint's own
+            `embed_tokens.weight` (SpecForge saves the frozen copy of the target's) is
+            dropped when it equals it, and refused otherwise: this draft always reads the
+            policy's embeddings (`forward(embeds=...)`), as vLLM does for a draft without one.
+
+    Errors are `ConfigError`s naming `draft.path`, the mismatch and the fix.
+    """
     path = Path(draft_dir)
+    raw = _read_draft_config(path)
+    cfg = _draft_config(path, raw, policy_cfg)
+    if policy_cfg is not None and (problems := policy_mismatches(cfg, policy_cfg)):
+        raise ConfigError(f"draft.path={path} does not fit the policy: {'; '.join(problems)}. "
+                          "Use a draft trained for this policy, or draft.init=scratch")
+    state = _read_draft_weights(path)
+    _drop_policy_embeddings(path, state, policy_embeddings)
+    _complete_vocab_mapping(path, state, cfg)
+    draft = Eagle3Draft(cfg).to(dtype)
+    expected = {name: tuple(t.shape) for name, t in draft.state_dict().items()}
+    misshapen = [f"{name} is {tuple(t.shape)}, the config needs {expected[name]}"
+                 for name, t in state.items() if name in expected and tuple(t.shape) != expected[name]]
+    allowed_missing = {"d2t", "t2d"} if cfg.draft_vocab_size == cfg.vocab_size else set()
+    missing, unexpected = sorted(set(expected) - set(state) - allowed_missing), sorted(set(state) - set(expected))
+    problems = misshapen + ([f"missing {missing}"] if missing else []) + (
+        [f"unexpected {unexpected}"] if unexpected else [])
+    if problems:
+        raise ConfigError(f"draft.path={path}: the weights do not match config.json (" + "; ".join(problems)
+                          + "): fix config.json (sizes, eagle_config.eagle_aux_hidden_state_layer_ids) "
+                            "or point draft.path at the matching checkpoint")
+    draft.load_state_dict(state, strict=False)
+    return draft
+
+
+def _read_draft_config(path: Path) -> dict:
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path}/config.json not found: export the draft with export_draft first")
+        raise ConfigError(f"draft.path={path} has no config.json: point it at an EAGLE-3 directory "
+                          "(vLLM's or SpecForge's layout, or one written by export_draft)")
     raw = json.loads((path / "config.json").read_text())
+    eagle = raw.get("eagle_config") or {}
+    settings = {**raw, **eagle}  # vLLM reads these switches from eagle_config first
+    unsupported = {k: settings[k] for k, want in _IMPLEMENTED_VARIANT.items() if settings.get(k, want) != want}
+    rope = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        unsupported["rope_scaling"] = rope
+    if raw.get("architectures", ["LlamaForCausalLMEagle3"]) != ["LlamaForCausalLMEagle3"] or unsupported:
+        raise ConfigError(
+            f"draft.path={path}: only Llama EAGLE-3 drafts (architectures [\"LlamaForCausalLMEagle3\"]) with "
+            f"{_IMPLEMENTED_VARIANT} and no rope scaling are supported; config.json has architectures "
+            f"{raw.get('architectures')} and {unsupported}. Use such a draft or draft.init=scratch")
+    return raw
+
+
+def _draft_config(path: Path, raw: dict, policy_cfg: LlamaConfig | None) -> Eagle3Config:
+    """`Eagle3Config` from the keys vLLM reads (`target_hidden_size` and `draft_vocab_size`
+    default to `hidden_size` and `vocab_size`, as in vLLM)."""
     names = {f.name for f in dataclasses.fields(Eagle3Config)} - {"tap_layers"}
-    kwargs = {k: v for k, v in raw.items() if k in names}
+    kwargs = {k: v for k, v in raw.items() if k in names and v is not None}
+    kwargs["rope_theta"] = (raw.get("rope_parameters") or {}).get("rope_theta", raw.get("rope_theta", 10000.0))
     kwargs.setdefault("draft_vocab_size", raw["vocab_size"])
     kwargs.setdefault("target_hidden_size", raw["hidden_size"])
-    ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if not ids:
-        raise ValueError(f"{path}/config.json has no eagle_config.eagle_aux_hidden_state_layer_ids: "
-                         "the aux layers the draft was trained on are unknown")
-    draft = Eagle3Draft(Eagle3Config(tap_layers=tuple(ids), **kwargs)).to(dtype)
-    state = load_file(str(path / _WEIGHTS))
-    if "t2d" not in state and "d2t" in state:
-        state["t2d"] = torch.zeros(draft.cfg.vocab_size, dtype=torch.bool)
-        state["t2d"][state["d2t"] + torch.arange(state["d2t"].numel())] = True
-    missing, unexpected = draft.load_state_dict(state, strict=False)
-    allowed_missing = {"d2t", "t2d"} if draft.cfg.draft_vocab_size == draft.cfg.vocab_size else set()
-    if set(missing) - allowed_missing or unexpected:
-        raise ValueError(f"{path}: weights do not match the config "
-                         f"(missing {sorted(missing)}, unexpected {sorted(unexpected)})")
-    return draft
+    try:
+        return Eagle3Config(tap_layers=_aux_layer_ids(path, raw, policy_cfg), **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"draft.path={path}: config.json is not a usable EAGLE-3 draft config: {exc}") from exc
+
+
+def _aux_layer_ids(path: Path, raw: dict, policy_cfg: LlamaConfig | None) -> tuple[int, ...]:
+    """The policy layers whose input residuals the draft reads; where the config does not say
+    (SpecForge's Llama/Qwen configs), the default vLLM would tap for this policy depth."""
+    ids = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids")
+    if ids:
+        return tuple(ids)
+    if policy_cfg is None:
+        raise ConfigError(f"draft.path={path}: config.json has no eagle_config.eagle_aux_hidden_state_layer_ids "
+                          "and the aux layers default from the policy's depth: pass policy_cfg")
+    ids = default_aux_layers(policy_cfg.num_hidden_layers)
+    warnings.warn(f"draft.path={path}: config.json has no eagle_config.eagle_aux_hidden_state_layer_ids; "
+                  f"using the default aux layers {ids} for a {policy_cfg.num_hidden_layers}-layer policy "
+                  "(vLLM's (2, n//2, n-3), made distinct for shallow policies). Exported drafts record them; "
+                  "if the draft was trained on other layers, add eagle_config to its config.json", stacklevel=4)
+    return ids
+
+
+def _read_draft_weights(path: Path) -> dict[str, torch.Tensor]:
+    if (path / _WEIGHTS).is_file():
+        return load_file(str(path / _WEIGHTS))
+    if (path / "pytorch_model.bin").is_file():  # the original EAGLE-3 releases
+        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise ConfigError(f"draft.path={path} has no {_WEIGHTS} (or pytorch_model.bin): sharded drafts are not "
+                      "supported; merge the shards into one file")
+
+
+def _drop_policy_embeddings(path: Path, state: dict[str, torch.Tensor],
+                            policy_embeddings: torch.Tensor | None) -> None:
+    own = state.pop("embed_tokens.weight", None)
+    if own is None:
+        return
+    if policy_embeddings is None:
+        warnings.warn(f"draft.path={path}: embed_tokens.weight dropped unchecked (no policy embeddings given): "
+                      "the draft reads the policy's", stacklevel=3)
+        return
+    theirs = policy_embeddings.detach().to(device="cpu", dtype=own.dtype)
+    if own.shape != theirs.shape or not torch.equal(own, theirs):
+        raise ConfigError(
+            f"draft.path={path}: embed_tokens.weight {tuple(own.shape)} differs from the policy's embeddings "
+            f"{tuple(theirs.shape)}: spectrain's draft reads the policy's embeddings, so a draft trained on "
+            "other ones would drift. Use the draft trained for this policy checkpoint, or draft.init=scratch")
+
+
+def _complete_vocab_mapping(path: Path, state: dict[str, torch.Tensor], cfg: Eagle3Config) -> None:
+    """Fill in whichever of `d2t` / `t2d` the checkpoint lacks (vLLM needs only `d2t`), and check
+    that they agree and keep draft ids in target-id order (`ttt_loss` relies on it)."""
+    vocab, draft_vocab = cfg.vocab_size, cfg.draft_vocab_size
+    d2t, t2d = state.get("d2t"), state.get("t2d")
+    if d2t is None and t2d is None:
+        if draft_vocab < vocab:
+            raise ConfigError(f"draft.path={path}: draft_vocab_size {draft_vocab} < vocab_size {vocab} but the "
+                              "checkpoint has neither d2t nor t2d to map draft ids to target ids: add them "
+                              "(SpecForge writes both) or use a full-vocabulary draft")
+        return
+    if t2d is not None and tuple(t2d.shape) != (vocab,):
+        raise ConfigError(f"draft.path={path}: t2d has shape {tuple(t2d.shape)}, vocab_size is {vocab}")
+    marked = None if t2d is None else torch.nonzero(t2d.bool()).flatten()
+    used = marked if d2t is None else torch.arange(d2t.numel()) + d2t.long()
+    ordered = used.numel() == draft_vocab and bool((used.diff() > 0).all())
+    in_range = ordered and 0 <= int(used[0]) and int(used[-1]) < vocab
+    if not in_range or (marked is not None and not torch.equal(marked, used)):
+        raise ConfigError(f"draft.path={path}: d2t/t2d do not map {draft_vocab} draft ids to increasing target "
+                          f"ids below {vocab} (target = draft + d2t[draft], t2d marks the same ids): "
+                          "rebuild the vocabulary mapping")
+    state["d2t"], state["t2d"] = used - torch.arange(draft_vocab), torch.zeros(vocab, dtype=torch.bool)
+    state["t2d"][used] = True
 
 
 def draft_sync_weights(draft: Eagle3Draft, dtype: torch.dtype | None = None) -> list[tuple[str, torch.Tensor]]:

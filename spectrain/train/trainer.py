@@ -23,13 +23,13 @@ from torch.utils.data import DataLoader, IterableDataset
 from spectrain.config import SpecTrainConfig
 from spectrain.errors import ConfigError
 from spectrain.models.hf_io import save_pretrained
-from spectrain.models.llama import LlamaConfig, LlamaForCausalLM
+from spectrain.models.llama import LlamaForCausalLM
+from spectrain.train import inputs
 from spectrain.train.module import GRPOModule
 from spectrain.train.run_dir import RunDir, drop_logged_steps
 from spectrain.parallel.mesh import world_size
-from spectrain.tasks.rewards import get_reward_fn
 from spectrain.rollout.engine import RolloutEngine
-from spectrain.train.warm_start import cached, policy_cache_key, warm_start_policy
+from spectrain.train.warm_start import cached, policy_cache_key, sft_enabled, warm_start_policy
 
 
 
@@ -87,40 +87,38 @@ class SpecTrainer:
         self.module: GRPOModule | None = None
         self.trainer: L.Trainer | None = None
         self.strategy = None  # SpecParallelStrategy when the run spans processes (build_strategy)
-        self.tokenizer = None  # these four: build_inputs
+        self.tokenizer = None  # these five: build_inputs
         self.source = None
+        self.val_source = None  # data.val_files, if given
         self._reward_fn = None
         self.recipe_callbacks: list[Callback] = []  # trainer.callbacks, constructed
 
     # hooks users override ---------------------------------------------------------------
     def build_tokenizer(self):
-        from spectrain.tasks.tokenizer import CharTokenizer
-
-        return CharTokenizer()
+        """The checkpoint's tokenizer (`tokenizer.path`, else `policy.path`), or the toy's character tokenizer."""
+        return inputs.build_tokenizer(self.config)
 
     def prompts(self):
         """The prompt source: an object with `sample(n, rng) -> list[Example]`."""
+        t = self.config.task
+        if t.name == "files":
+            return inputs.file_prompts(self.config, self.config.data.train_files, self.tokenizer, "data.train_files")
         from spectrain.tasks.sources import build_prompt_source
 
-        t = self.config.task
-        if t.name == "jsonl":
-            return build_prompt_source("jsonl", path=t.path, on_bad_row=t.on_bad_row, tokenizer=self.tokenizer,
-                                       seed=self.config.trainer.seed)
         return build_prompt_source("arithmetic", digits=t.digits, operands=t.operands, seed=self.config.trainer.seed)
 
+    def held_out_prompts(self):
+        """The held-out evaluation's source: `data.val_files`, or None to draw from the train prompts."""
+        files = self.config.data.val_files
+        return inputs.file_prompts(self.config, files, self.tokenizer, "data.val_files") if files else None
+
     def reward(self, completion: str, answer: str) -> float:
-        """Score one completion; the default looks up `task.reward` (bound once, in `fit`)."""
+        """Score one completion; the default looks up `reward.name` (bound once, in `fit`)."""
         return self._reward_fn(completion, answer)
 
     def build_policy(self) -> LlamaForCausalLM:
-        p = self.config.policy
-        cfg = LlamaConfig(vocab_size=self.tokenizer.vocab_size, hidden_size=p.hidden_size,
-                          intermediate_size=p.intermediate_size, num_hidden_layers=p.num_hidden_layers,
-                          num_attention_heads=p.num_attention_heads, num_key_value_heads=p.num_key_value_heads,
-                          qk_norm=p.qk_norm, tie_word_embeddings=p.tie_word_embeddings,
-                          max_position_embeddings=p.max_position_embeddings, bos_token_id=self.tokenizer.bos_id,
-                          eos_token_id=self.tokenizer.eos_id, pad_token_id=self.tokenizer.pad_id)
-        return LlamaForCausalLM(cfg)
+        """`policy.path` loaded, or the toy policy built from `policy.*`."""
+        return inputs.build_policy(self.config, self.tokenizer)
 
     def build_draft(self, policy: LlamaForCausalLM):
         """The EAGLE-3 draft (None when draft.mode=none), warmed up offline if configured."""
@@ -142,7 +140,9 @@ class SpecTrainer:
         return VLLMRolloutEngine(policy_dir, draft_dir, num_speculative_tokens=d.num_speculative_tokens,
                                  spec_schedule=engine_spec_schedule(self.config), max_model_len=r.max_model_len,
                                  kv_cache_gib=r.kv_cache_gib, seed=self.config.trainer.seed,
-                                 vllm_kwargs=dict(r.vllm_kwargs))
+                                 dtype=r.dtype if r.dtype != "auto" else self.config.policy.dtype,
+                                 gpu_memory_utilization=r.gpu_memory_utilization,
+                                 tensor_parallel_size=r.tensor_parallel_size, vllm_kwargs=dict(r.vllm_kwargs))
 
     def build_strategy(self):
         """The multi-process strategy (process group, mesh, plan) when the run spans processes, else None."""
@@ -258,10 +258,14 @@ class SpecTrainer:
         Returns the checkpoint to resume (None for a new run) and its step.
         """
         resume = self.check_run_dir()
+        pretrained = inputs.check_policy_path(self.config)
         self.build_inputs()
+        if pretrained is not None:
+            inputs.check_vocab(pretrained.vocab_size, self.tokenizer.vocab_size)
+            inputs.check_context(self.config, pretrained)
         self.check_lengths()
         self._check_logger()
-        self._check_engine_inputs()
+        self._check_engine_inputs(pretrained.head_dim if pretrained is not None else None)
         self.check_warmstart_cache()
         return resume
 
@@ -270,21 +274,10 @@ class SpecTrainer:
         if self.source is not None:
             return
         self.tokenizer = self.build_tokenizer()
-        self.source = self._load_prompts()
-        self._reward_fn = get_reward_fn(self.config.task.reward, partial_credit=self.config.task.partial_credit)
+        self.source = self.prompts()
+        self.val_source = self.held_out_prompts()
+        self._reward_fn = inputs.build_reward_fn(self.config)
         self.recipe_callbacks = [_instantiate(i, spec) for i, spec in enumerate(self.config.trainer.callbacks)]
-
-    def _load_prompts(self):
-        """`prompts()`, with a prompt file that cannot be used reported against `task.path`."""
-        from spectrain.tasks.sources import PromptFileError
-
-        try:
-            return self.prompts()
-        except PromptFileError as exc:
-            raise ConfigError(f"task.path: {exc}") from exc
-        except OSError as exc:
-            raise ConfigError(f"task.path: cannot read {self.config.task.path} ({exc.strerror or exc}); "
-                              f"give the path of a JSONL prompt file") from exc
 
     def _check_logger(self) -> None:
         if self.config.trainer.logger == "tensorboard" and not any(
@@ -292,13 +285,14 @@ class SpecTrainer:
             raise ConfigError("trainer.logger: tensorboard needs the tensorboard package; pip install tensorboard, "
                               "or set trainer.logger=csv")
 
-    def _check_engine_inputs(self) -> None:
+    def _check_engine_inputs(self, head_dim: int | None) -> None:
         """What vLLM would refuse only when it starts, or at the first rollout: after the warm start."""
         from spectrain.rollout.speculation.calibration import needs_calibration
         from spectrain.rollout.vllm.engine import check_attention_head_size, kv_cache_bytes
 
         kv_cache_bytes(self.config.rollout.kv_cache_gib)
-        check_attention_head_size(self.config.policy.hidden_size // self.config.policy.num_attention_heads)
+        policy = self.config.policy
+        check_attention_head_size(head_dim or policy.hidden_size // policy.num_attention_heads)
         p = self.config.parallel
         if p.pp * p.dp * p.cp > 1 and needs_calibration(self.config, self.run_dir):
             # measuring C starts and stops a second engine, which would tear down the ranks' process group
@@ -309,17 +303,26 @@ class SpecTrainer:
 
     def check_warmstart_cache(self) -> None:
         """Refuse, before any training, a warm-start cache trained under other settings (never overwritten)."""
-        cached(self.warmstart_dir, policy_cache_key(self.config), "warm-start policy")
+        if self.config.policy.path is None or sft_enabled(self.config):
+            cached(self.warmstart_dir, policy_cache_key(self.config), "warm-start policy")
         if self.config.draft.mode != "none":
             from spectrain.train.warm_start import draft_cache_key
 
             cached(self.warmstart_dir / "draft", draft_cache_key(self.config), "draft warm-up")
 
     def _start_engine(self, policy, draft) -> None:
-        """The rollout rank starts the engine on the warm start; the other ranks get each rollout from the plan."""
-        if self.is_rollout_rank:
+        """The rollout rank starts the engine on the warm start; the other ranks get each rollout from the plan.
+
+        A pretrained policy that no SFT changed starts the engine from `policy.path` itself: no copy of its weights.
+        """
+        if not self.is_rollout_rank:
+            return
+        if self.config.policy.path is not None and not sft_enabled(self.config):
+            policy_dir = Path(self.config.policy.path)
+            draft_dir = self.export_draft(policy, draft, self.run_dir / "engine_init")
+        else:
             policy_dir, draft_dir = self.export_models(policy, draft, self.run_dir / "engine_init")
-            self.engine = self.build_rollout_engine(policy_dir, draft_dir)
+        self.engine = self.build_rollout_engine(policy_dir, draft_dir)
 
     def _warm_start(self):
         policy, _ = warm_start_policy(self.config, self.build_policy(), self.source, self.tokenizer,
@@ -364,7 +367,10 @@ class SpecTrainer:
             local = self.strategy.processes_per_node
             processes = dict(strategy=self.strategy, devices=local, num_nodes=self.strategy.world_size // local,
                              use_distributed_sampler=False)
-        return L.Trainer(accelerator="cpu", **processes, max_steps=t.max_steps, logger=self.build_logger(),
+        # bf16: autocast over float32 master weights and optimizer state
+        precision = "bf16-mixed" if self.config.policy.dtype == "bfloat16" else "32-true"
+        return L.Trainer(accelerator=t.accelerator, precision=precision, **processes, max_steps=t.max_steps,
+                         logger=self.build_logger(),
                          callbacks=self.build_callbacks(), default_root_dir=str(self.run_dir),
                          log_every_n_steps=t.log_every_n_steps, enable_progress_bar=t.progress_bar,
                          enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
@@ -378,7 +384,12 @@ class SpecTrainer:
         sync.push(self.trainer, self.module, draft=self.module.draft is not None)
 
     def eval_examples(self):
-        return self.source.sample(self.config.rollout.eval_prompts, random.Random(f"eval:{self.config.trainer.seed}"))
+        """`rollout.eval_prompts` held-out prompts: from `data.val_files` (at most all of them), else drawn from the
+        train prompts with a seed of their own."""
+        rng, n = random.Random(f"eval:{self.config.trainer.seed}"), self.config.rollout.eval_prompts
+        if self.val_source is not None:
+            return self.val_source.sample(min(n, len(self.val_source)), rng)
+        return self.source.sample(n, rng)
 
     def evaluate(self, examples) -> dict[str, float]:
         """Held-out rewards on a fixed prompt set, through the engine (`GRPOModule.evaluate`)."""
@@ -403,12 +414,16 @@ class SpecTrainer:
 
     def export_models(self, policy, draft, out_dir: Path) -> tuple[Path, Path | None]:
         """The policy in HF format and the draft in vLLM's EAGLE-3 format."""
-        policy_dir = save_pretrained(policy, out_dir / "policy", tokenizer=self.tokenizer)
+        return save_pretrained(policy, out_dir / "policy", tokenizer=self.tokenizer), self.export_draft(policy, draft,
+                                                                                                          out_dir)
+
+    @staticmethod
+    def export_draft(policy, draft, out_dir: Path) -> Path | None:
         if draft is None:
-            return policy_dir, None
+            return None
         from spectrain.models.eagle3 import export_draft
 
-        return policy_dir, export_draft(draft, out_dir / "draft", policy.cfg)
+        return export_draft(draft, out_dir / "draft", policy.cfg)
 
     # run directory (spectrain/train/run_dir.py) --------------------------------------------
     def check_run_dir(self) -> tuple[str | None, int]:
@@ -428,7 +443,8 @@ class SpecTrainer:
         """Prompts plus completions plus the speculative lookahead must fit the engine."""
         r, d = self.config.rollout, self.config.draft
         examples = list(self.source) if hasattr(self.source, "__iter__") else self.eval_examples()
-        longest = max(len(self.tokenizer.encode(ex.prompt)) for ex in examples)
+        examples += list(self.val_source or [])
+        longest = max(len(self.tokenizer.encode_prompt(ex.prompt)) for ex in examples)
         lookahead = d.num_speculative_tokens + 1 if d.mode != "none" else 0
         need = longest + r.max_new_tokens + lookahead
         if need > r.max_model_len:

@@ -31,14 +31,16 @@ from tqdm.auto import tqdm
 
 from spectrain.config import describe_differences
 from spectrain.config.loading import upgrade_recorded_keys
-from spectrain.errors import RunDirError
+from spectrain.errors import ConfigError, RunDirError
 from spectrain.models.eagle3 import Eagle3Config, Eagle3Draft, export_draft, load_draft
-from spectrain.models.hf_io import load_pretrained, save_pretrained
+from spectrain.tasks.draft_vocab import vocab_mapping_from_token_ids
+from spectrain.models.hf_io import load_pretrained, read_tensor, save_pretrained
 from spectrain.models.llama import LlamaForCausalLM
 from spectrain.parallel.plan import draft_inputs_from, ttt_valid_tokens
 from spectrain.train.draft_update import draft_update
 from spectrain.batch import RolloutBatch, build_rollout_batch
 from spectrain.train.grpo import token_logprobs
+from spectrain.train.inputs import model_identity
 from spectrain.rollout.engine import Completion
 
 
@@ -48,7 +50,7 @@ def examples_to_batch(examples, tokenizer) -> RolloutBatch:
     An example without a worked target (a JSONL row with only "prompt" and "answer") is
     trained on its bare answer, which the reward accepts as a whole completion.
     """
-    completions = [Completion(i, tokenizer.encode(ex.prompt),
+    completions = [Completion(i, tokenizer.encode_prompt(ex.prompt),
                               tokenizer.encode(ex.target or ex.answer, add_bos=False) + [tokenizer.eos_id],
                               [], True)
                    for i, ex in enumerate(examples)]
@@ -89,10 +91,21 @@ CACHE_META = "meta.json"  # written last: a directory without it is no cache
 _KEY_NAMES = {"seed": "trainer.seed"}  # cache-key entries whose config key is spelled differently
 
 
+def sft_enabled(config) -> bool:
+    """`sft.enabled`; null means on for the toy policy (it starts random) and off for a pretrained `policy.path`."""
+    return config.policy.path is None if config.sft.enabled is None else config.sft.enabled
+
+
 def policy_cache_key(config) -> dict:
-    """Everything the SFT'd policy depends on."""
-    return {"policy": asdict(config.policy), "task": asdict(config.task), "sft": asdict(config.sft),
-            "seed": config.trainer.seed}
+    """Everything the SFT'd policy depends on: for a pretrained policy also its identity (path and config hash),
+    so another checkpoint at the same path never reuses the cache; for prompt files, the data and tokenizer keys."""
+    key = {"policy": asdict(config.policy), "task": asdict(config.task), "sft": asdict(config.sft),
+           "seed": config.trainer.seed}
+    if config.task.name == "files":
+        key.update(data=asdict(config.data), tokenizer=asdict(config.tokenizer))
+    if config.policy.path is not None:
+        key["model"] = model_identity(config)
+    return key
 
 
 def cached(cache: Path, key: dict, what: str) -> bool:
@@ -142,12 +155,17 @@ def writing_cache(cache: Path):
 
 def warm_start_policy(config, policy: LlamaForCausalLM, task, tokenizer, cache_root: Path,
                       progress: bool = True) -> tuple[LlamaForCausalLM, dict]:
-    """Return the SFT'd policy, training it only if no matching cache exists yet."""
+    """Return the SFT'd policy, training it only if no matching cache exists yet.
+
+    A pretrained policy without SFT is its own warm start: nothing is trained or cached.
+    """
+    if config.policy.path is not None and not sft_enabled(config):
+        return policy, {}
     cache, key = cache_root, policy_cache_key(config)
     if cached(cache, key, "warm-start policy"):
         return load_pretrained(cache / "policy"), json.loads((cache / CACHE_META).read_text())
     losses = train_sft(policy, task, tokenizer, config.sft.steps, config.sft.batch_size, config.sft.lr,
-                       seed=config.trainer.seed, progress=progress) if config.sft.enabled else []
+                       seed=config.trainer.seed, progress=progress) if sft_enabled(config) else []
     meta = {"settings": key, "final_loss": losses[-1] if losses else None, "steps": len(losses)}
     with writing_cache(cache) as scratch:
         save_pretrained(policy, scratch / "policy", tokenizer=tokenizer)
@@ -155,11 +173,39 @@ def warm_start_policy(config, policy: LlamaForCausalLM, task, tokenizer, cache_r
     return policy, meta
 
 
-def build_draft(config, policy: LlamaForCausalLM) -> Eagle3Draft:
-    ids = config.draft.tap_layers
-    cfg = Eagle3Config.from_policy(policy.cfg, tap_layers=tuple(ids) if ids is not None else None)
+_VOCAB_SAMPLE = 4096  # synthetic-task examples counted for the draft vocabulary
+
+
+def build_draft(config, policy: LlamaForCausalLM, source, tokenizer) -> Eagle3Draft:
+    """The draft to warm up: `draft.path` (an EAGLE-3 directory in vLLM's or SpecForge's layout), or a new one sized
+    like one policy layer whose vocabulary is the `draft.draft_vocab_size` most frequent tokens of the train data."""
+    d = config.draft
+    if d.init == "path":
+        # a draft trained for the checkpoint copied its embedding, before any SFT here moved the policy's
+        embeddings = (read_tensor(config.policy.path, "model.embed_tokens.weight") if config.policy.path is not None
+                      else policy.model.embed_tokens.weight)
+        try:  # a draft that does not fit the policy is already a ConfigError naming draft.path
+            return load_draft(d.path, policy_cfg=policy.cfg, policy_embeddings=embeddings)
+        except OSError as exc:
+            raise ConfigError(f"draft.path: cannot read {d.path} ({exc}); give an EAGLE-3 directory (config.json "
+                              f"and model.safetensors) in vLLM's or SpecForge's layout") from exc
+    try:
+        cfg = Eagle3Config.from_policy(policy.cfg, draft_vocab_size=d.draft_vocab_size,
+                                       tap_layers=tuple(d.tap_layers) if d.tap_layers is not None else None)
+    except ValueError as exc:
+        key = "draft.tap_layers" if "tap_layers" in str(exc) else "draft.draft_vocab_size"
+        raise ConfigError(f"{key}: {exc}") from exc
     torch.manual_seed(config.trainer.seed + 1)
-    return Eagle3Draft(cfg)
+    draft = Eagle3Draft(cfg)
+    if cfg.draft_vocab_size < cfg.vocab_size:
+        # the train completions (worked targets, else answers) are what the draft will have to propose; the stop ids
+        # always stay, so a draft can propose the end of a completion
+        examples = (list(source) if hasattr(source, "__iter__")
+                    else source.sample(_VOCAB_SAMPLE, random.Random("draft-vocab")))
+        completions = [tokenizer.encode(ex.target or ex.answer, add_bos=False) for ex in examples]
+        draft.set_vocab_mapping(*vocab_mapping_from_token_ids(completions, cfg.vocab_size, cfg.draft_vocab_size,
+                                                              always_include=tokenizer.stop_ids))
+    return draft
 
 
 def warm_up_draft(draft: Eagle3Draft, policy: LlamaForCausalLM, source, tokenizer, steps: int,
@@ -192,9 +238,9 @@ def draft_cache_key(config) -> dict:
     change the warm-up, so runs that differ only in them share it.
     """
     draft_settings = {k: v for k, v in asdict(config.draft).items()
-                      if k in ("tap_layers", "lr", "warmup_steps", "ttt_passes", "pass_decay")}
-    return {"draft": draft_settings, "policy": asdict(config.policy), "sft": asdict(config.sft),
-            "task": asdict(config.task), "seed": config.trainer.seed}
+                      if k in ("init", "path", "draft_vocab_size", "tap_layers", "lr", "warmup_steps", "ttt_passes",
+                               "pass_decay")}
+    return {"draft": draft_settings, **policy_cache_key(config)}
 
 
 def build_and_warm_up_draft(config, policy: LlamaForCausalLM, source, tokenizer, cache_root: Path) -> Eagle3Draft:
@@ -203,7 +249,7 @@ def build_and_warm_up_draft(config, policy: LlamaForCausalLM, source, tokenizer,
     cache, key = cache_root / "draft", draft_cache_key(config)
     if cached(cache, key, "draft warm-up"):
         return load_draft(cache)
-    draft = build_draft(config, policy)
+    draft = build_draft(config, policy, source, tokenizer)
     losses = []
     if d.warmup_steps > 0:
         losses = warm_up_draft(draft, policy, source, tokenizer, d.warmup_steps, config.sft.batch_size, d.lr,

@@ -157,7 +157,7 @@ def test_attention_backend_without_cp_support_fails_before_work():
 
 # ---------------------------------------------------------------------------------- spectrain fit
 FIT = ["trainer.max_steps=3", "sft.steps=30", "draft.warmup_steps=10", "rollout.prompts_per_step=4",
-       "rollout.group_size=4", "rollout.eval_prompts=8", "task.partial_credit=0.5", "draft.check_alive=false",
+       "rollout.group_size=4", "rollout.eval_prompts=8", "reward.partial_credit=0.5", "draft.check_alive=false",
        "trainer.progress_bar=false", "trainer.checkpoint_every_n_steps=1000"]
 FIT_COLUMNS = ("policy/loss", "policy/grad_norm", "draft/loss", "draft/pass_1_loss", "draft/pass_3_loss")
 FIT_RTOL, FIT_ATOL = 1e-4, 1e-6  # float32; measured ~2e-6 relative (ring merges, summed shards)

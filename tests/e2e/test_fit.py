@@ -19,7 +19,7 @@ def untrained_draft_loss(run_dir, config) -> float:
 
     policy = load_pretrained(run_dir / "warmstart" / "policy")
     d, task = config.draft, ArithmeticTask(config.task.digits, config.task.operands)
-    [loss] = warm_up_draft(build_draft(config, policy), policy, task, CharTokenizer(), steps=1,
+    [loss] = warm_up_draft(build_draft(config, policy, task, CharTokenizer()), policy, task, CharTokenizer(), steps=1,
                            batch_size=config.sft.batch_size, lr=0.0, ttt_passes=d.ttt_passes, pass_decay=d.pass_decay,
                            seed=0, progress=False)
     return loss

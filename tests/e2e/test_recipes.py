@@ -121,7 +121,7 @@ def test_warm_start_teaches_the_answer_of_a_row_without_target(tmp_path):
     from spectrain.train.warm_start import examples_to_batch
 
     tok = CharTokenizer()
-    bare, other = build_prompt_source("jsonl", path=write_readme_jsonl(tmp_path / "p.jsonl", rows=2)).examples
+    bare, other = build_prompt_source("files", files=write_readme_jsonl(tmp_path / "p.jsonl", rows=2)).examples
     worked = replace(other, target=f"worked;{other.answer}")
     batch = examples_to_batch([bare, worked], tok)
     bounds = batch.cu_seqlens.tolist()

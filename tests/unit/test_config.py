@@ -37,7 +37,16 @@ def test_packaged_parent_by_name(tmp_path):
     (["parallel.pp=9"], "parallel.pp"),
     (["parallel.pp_schedule=ZeroBubble"], "parallel.pp_schedule"),
     (["draft.tap_layers=[0,1,7]"], "draft.tap_layers"),
-    (["task.name=jsonl"], "task.path"),
+    (["task.name=files"], "data.train_files"),
+    (["task.name=jsonl"], "task.name: 'jsonl' is now 'files'"),
+    (["data.train_files=x.jsonl"], "task.name"),
+    (["task.path=x.jsonl"], "'task.path' was renamed to 'data.train_files'"),
+    (["reward.name=custom"], "reward.path"),
+    (["reward.name=nope"], "reward.name"),
+    (["draft.init=path"], "draft.path"),
+    (["policy.dtype=float16"], "policy.dtype"),
+    (["trainer.accelerator=tpu"], "trainer.accelerator"),
+    (["data.prompt_template=no placeholder"], "data.prompt_template"),
     (["trainer.max_steps"], "key=value"),
     (["grpo.kl_beta=0.1", "parallel.cp=2"], "grpo.kl_beta"),
     (["grpo.minibatches=0"], "grpo.minibatches"),
@@ -66,10 +75,10 @@ def test_not_a_mapping(tmp_path):
 
 
 def test_required_value_marker(tmp_path):
-    path = write(tmp_path, "req.yaml", "task:\n  name: jsonl\n  path: ???\n")
-    with pytest.raises(ConfigError, match=r"missing.*task\.path"):
+    path = write(tmp_path, "req.yaml", "task:\n  name: files\ndata:\n  train_files: ???\n")
+    with pytest.raises(ConfigError, match=r"missing.*data\.train_files"):
         load_config(path)
-    assert load_config(path, ["task.path=/tmp/x.jsonl"]).task.path == "/tmp/x.jsonl"
+    assert load_config(path, ["data.train_files=/tmp/x.jsonl"]).data.train_files == "/tmp/x.jsonl"
 
 
 def test_inheritance_loop(tmp_path):
@@ -101,5 +110,14 @@ def test_renamed_and_removed_keys_do_not_invalidate_what_an_older_spectrain_reco
     draft = key["draft"]
     recorded = {**key, "sft": {**key["sft"], "eval_prompts": 128},  # a draft warm-up cached before the renames
                 "draft": {"ttt_steps": draft["ttt_passes"], "aux_layer_ids": draft["tap_layers"], "lr": draft["lr"],
-                          "pass_decay": draft["pass_decay"], "warmup_steps": draft["warmup_steps"]}}
+                          "pass_decay": draft["pass_decay"], "warmup_steps": draft["warmup_steps"],
+                          **{k: draft[k] for k in ("init", "path", "draft_vocab_size")}}}
     assert upgrade_recorded_keys(recorded) == key
+
+
+def test_moved_task_keys_are_read_in_their_new_sections():
+    from spectrain.config.loading import upgrade_recorded_keys
+
+    recorded = {"task": {"name": "jsonl", "path": "p.jsonl", "reward": "exact_answer", "partial_credit": 0.5}}
+    assert upgrade_recorded_keys(recorded) == {"task": {"name": "files"}, "data": {"train_files": "p.jsonl"},
+                                               "reward": {"name": "exact_answer", "partial_credit": 0.5}}

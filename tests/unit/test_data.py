@@ -1,4 +1,4 @@
-"""Data layer of the embedded recipe: tokenizer, arithmetic task, rewards, prompt files."""
+"""Data layer: the character tokenizer, arithmetic task, exact-answer reward, prompt files."""
 
 import json
 import random
@@ -6,13 +6,9 @@ import re
 
 import pytest
 
+from spectrain.errors import ConfigError
 from spectrain.tasks.arithmetic import ArithmeticTask, Example
-from spectrain.tasks.sources import (
-    JsonlPrompts,
-    PromptFileError,
-    build_prompt_source,
-    load_jsonl_examples,
-)
+from spectrain.tasks.sources import FilePrompts, PromptFileError, build_prompt_source
 from spectrain.tasks.tokenizer import (
     CHARSET,
     CharTokenizer,
@@ -54,6 +50,14 @@ def test_unknown_characters_map_to_unk_and_are_reported():
                                                      *tok.encode("b", add_bos=False)]
     assert tok.unknown_chars("a\u00e9<b\t") == ["\t", "<", "\u00e9"]
     assert tok.unknown_chars(CHARSET) == []
+
+
+def test_char_tokenizer_prompts_are_plain_text():
+    tok = CharTokenizer()
+    assert tok.encode_prompt("1+2=") == tok.encode("1+2=") == [tok.bos_id, 5, 14, 6, 17]
+    assert tok.stop_ids == [tok.eos_id] == [2]
+    with pytest.raises(ConfigError, match="the character tokenizer has no chat template"):
+        tok.encode_prompt([{"role": "user", "content": "1+2="}])
 
 
 def test_auto_tokenizer_loads_saved_files(tmp_path):
@@ -163,7 +167,8 @@ def test_reward_registry():
     assert get_reward_fn("exact_answer")(";5", "5") == 1.0
     shaped = get_reward_fn("exact_answer", partial_credit=0.5)
     assert shaped(";15", "25") == pytest.approx(0.25)
-    with pytest.raises(ValueError, match="unknown reward function 'exact'; valid names: exact_answer"):
+    with pytest.raises(ValueError, match="unknown reward function 'exact'; valid names: custom, exact_answer, "
+                                         "math_verify"):
         get_reward_fn("exact")
     with pytest.raises(ValueError, match="bad options"):
         get_reward_fn("exact_answer", partial=0.5)
@@ -180,9 +185,9 @@ GOOD = [
 ]
 BAD_LINES = {  # line content -> what the message must say
     '{"prompt": "1+1=", "answer": "2"': "invalid JSON",
-    '["1+1=", "2"]': "expected a JSON object, got list",
+    '["1+1=", "2"]': "expected an object, got list",
     '{"prompt": "1+1="}': "missing key(s) 'answer'",
-    '{"prompt": "1+1=", "answer": 2}': "'answer' must be a string, got int",
+    '{"prompt": "1+1=", "answer": [2]}': "'answer' must be a string or a number, got list",
     '{"prompt": "  ", "answer": "2"}': "'prompt' is empty",
     '{"prompt": "1+1=\\u00e9", "answer": "2"}': "cannot encode: '\u00e9'",
 }
@@ -196,14 +201,14 @@ def write_jsonl(path, lines):
 def test_good_jsonl_loads_and_samples_by_rng(tmp_path):
     lines = [json.dumps(row) for row in GOOD]
     path = write_jsonl(tmp_path / "p.jsonl", [lines[0], "", lines[1], "   ", lines[2]])
-    prompts = JsonlPrompts(path)
+    prompts = FilePrompts(path)
     assert list(prompts) == [
         Example("12+34=", "46"), Example("What is 2*3?", "6", "2*3;6"), Example("5+5=", "10")]
     rows = sorted(row["prompt"] for row in GOOD)
     assert sorted(e.prompt for e in prompts.sample(3)) == rows  # no repeats within a call
     seven = [e.prompt for e in prompts.sample(7)]
     assert sorted(seven[:3]) == sorted(seven[3:6]) == rows  # whole passes when n > rows
-    assert JsonlPrompts(path, seed=3).sample(7) == JsonlPrompts(path, seed=3).sample(7)
+    assert FilePrompts(path, seed=3).sample(7) == FilePrompts(path, seed=3).sample(7)
     # a pure function of the rng: earlier draws do not shift later ones (resume-safe)
     assert prompts.sample(5, random.Random(1)) == prompts.sample(5, random.Random(1))
 
@@ -212,9 +217,9 @@ def test_bad_rows_stop_with_file_and_line_numbers(tmp_path):
     lines = [json.dumps(GOOD[0]), *BAD_LINES]
     path = write_jsonl(tmp_path / "p.jsonl", lines)
     with pytest.raises(PromptFileError) as info:
-        load_jsonl_examples(path)
+        FilePrompts(path, on_bad_row="error")
     message = str(info.value)
-    assert f"{len(BAD_LINES)} bad rows in {path}" in message and "on_bad_row='skip'" in message
+    assert f"{len(BAD_LINES)} bad rows in {path}" in message and "data.on_bad_row=skip" in message
     shown = list(BAD_LINES.values())[:5]  # the message lists the first five
     for lineno, expected in enumerate(shown, start=2):
         assert re.search(rf"{re.escape(str(path))}:{lineno}: .*{re.escape(expected)}", message)
@@ -225,41 +230,112 @@ def test_bad_rows_stop_with_file_and_line_numbers(tmp_path):
 def test_each_bad_row_says_what_is_wrong(tmp_path, line, expected):
     path = write_jsonl(tmp_path / "p.jsonl", [json.dumps(GOOD[0]), line])
     with pytest.raises(PromptFileError, match=rf"p\.jsonl:2: .*{re.escape(expected)}"):
-        load_jsonl_examples(path)
+        FilePrompts(path, on_bad_row="error")
 
 
 def test_bad_rows_are_skipped_with_a_summary_warning(tmp_path):
     lines = [json.dumps(GOOD[0]), *BAD_LINES, json.dumps(GOOD[2])]
     path = write_jsonl(tmp_path / "p.jsonl", lines)
     with pytest.warns(UserWarning, match=rf"skipped {len(BAD_LINES)} of {len(lines)} rows") as rec:
-        examples = load_jsonl_examples(path, on_bad_row="skip")
-    assert [e.prompt for e in examples] == ["12+34=", "5+5="]
+        prompts = FilePrompts(path, on_bad_row="skip")
+    assert [e.prompt for e in prompts] == ["12+34=", "5+5="]
+    assert (prompts.skipped_bad, prompts.dropped_overlong) == (len(BAD_LINES), 0)
     assert f"{path}:2: invalid JSON" in str(rec[0].message)
 
 
 def test_file_without_valid_rows_is_an_error(tmp_path):
     path = write_jsonl(tmp_path / "bad.jsonl", list(BAD_LINES)[:2])
     with pytest.raises(PromptFileError, match=r"no valid rows in .*bad\.jsonl \(2 bad rows\)"):
-        load_jsonl_examples(path, on_bad_row="skip")
+        FilePrompts(path, on_bad_row="skip")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     with pytest.raises(PromptFileError, match="the file is empty"):
-        load_jsonl_examples(empty)
+        FilePrompts(empty)
 
 
 def test_invalid_utf8_and_bad_on_bad_row(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_bytes(json.dumps(GOOD[0]).encode() + b'\n{"prompt": "\xff", "answer": "1"}\n')
     with pytest.raises(PromptFileError, match=r"p\.jsonl:2: not valid UTF-8"):
-        load_jsonl_examples(path)
-    with pytest.raises(ValueError, match="on_bad_row must be 'skip' or 'error'"):
-        load_jsonl_examples(path, on_bad_row="ignore")
+        FilePrompts(path, on_bad_row="error")
+    with pytest.raises(ValueError, match="data.on_bad_row must be 'skip' or 'error'"):
+        FilePrompts(path, on_bad_row="ignore")
 
 
 def test_build_prompt_source(tmp_path):
     path = write_jsonl(tmp_path / "p.jsonl", [json.dumps(GOOD[0])])
-    assert len(build_prompt_source("jsonl", path=path)) == 1
+    assert len(build_prompt_source("files", files=path)) == 1
+    assert len(build_prompt_source("files", files=[str(path), path])) == 2
     task = build_prompt_source("arithmetic", digits=2, seed=4)
     assert task.sample(3) == ArithmeticTask(digits=2, seed=4).sample(3)
-    with pytest.raises(ValueError, match="unknown prompt source 'csv'; valid kinds: arithmetic, jsonl"):
+    with pytest.raises(ValueError, match="unknown prompt source 'csv'; valid kinds: arithmetic, files"):
         build_prompt_source("csv")
+
+
+def write_parquet(path, rows):
+    pq = pytest.importorskip("pyarrow.parquet")
+    pa = pytest.importorskip("pyarrow")
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+VERL_ROWS = [  # verl's gsm8k parquet layout: chat-message prompts, the answer nested and numeric here
+    {"data_source": "gsm8k", "prompt": [{"role": "user", "content": "What is 2*3?"}],
+     "reward_model": {"style": "rule", "ground_truth": 6}, "extra_info": {"index": 0}},
+    {"data_source": "gsm8k", "prompt": [{"role": "system", "content": "Be brief."},
+                                        {"role": "user", "content": "Half of 3?"}],
+     "reward_model": {"style": "rule", "ground_truth": 1.5}, "extra_info": {"index": 1}},
+]
+
+
+def test_parquet_with_nested_keys_chat_prompts_and_numeric_answers(tmp_path):
+    path = write_parquet(tmp_path / "train.parquet", VERL_ROWS)
+    rows = FilePrompts(path, answer_key="reward_model.ground_truth", tokenizer=_ChatStandIn()).examples
+    assert rows == [Example(({"role": "user", "content": "What is 2*3?"},), "6"),
+                    Example(({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Half of 3?"}),
+                            "1.5")]
+    with pytest.raises(ConfigError, match="no chat template"):  # found when loading, not mid-run
+        FilePrompts(path, answer_key="reward_model.ground_truth")
+
+
+class _ChatStandIn(CharTokenizer):
+    """The character tokenizer with a trivial chat format, so chat rows load without a real template."""
+
+    def encode_prompt(self, prompt):
+        return self.encode(prompt if isinstance(prompt, str) else "".join(m["content"] for m in prompt))
+
+
+def test_missing_key_names_the_config_key_and_what_the_file_has(tmp_path):
+    path = write_parquet(tmp_path / "train.parquet", VERL_ROWS)
+    with pytest.raises(PromptFileError, match=r"data.answer_key: no row of .*train\.parquet has the key 'answer'; "
+                                              r"its rows have: data_source, prompt, reward_model, "
+                                              r"reward_model.style, reward_model.ground_truth, extra_info"):
+        FilePrompts(path, tokenizer=_ChatStandIn())
+    jsonl = write_jsonl(tmp_path / "p.jsonl", [json.dumps({"question": "1+1=", "answer": "2"})])
+    with pytest.raises(PromptFileError, match=r"data.prompt_key: no row of .*p\.jsonl has the key 'prompt'"):
+        FilePrompts([jsonl])
+
+
+def test_jsonl_and_parquet_together_with_a_template_and_numbers(tmp_path):
+    jsonl = write_jsonl(tmp_path / "a.jsonl", [json.dumps({"q": "1+1", "a": 2, "sol": "1+1;2"})])
+    parquet = write_parquet(tmp_path / "b.parquet", [{"q": "2+2", "a": "4", "sol": None}])
+    prompts = FilePrompts([jsonl, str(parquet)], prompt_key="q", answer_key="a", target_key="sol",
+                          prompt_template="Q: {prompt}=")
+    assert prompts.examples == [Example("Q: 1+1=", "2", "1+1;2"), Example("Q: 2+2=", "4")]
+    with pytest.raises(PromptFileError, match=r"data.prompt_template 'Q: \{q\}' has no \{prompt\}"):
+        FilePrompts(jsonl, prompt_key="q", answer_key="a", prompt_template="Q: {q}")
+    with pytest.raises(PromptFileError, match=r"unknown file type '\.csv'"):
+        FilePrompts(tmp_path / "c.csv")
+
+
+def test_overlong_prompts_are_dropped_and_counted_or_refused(tmp_path):
+    lines = [json.dumps({"prompt": "1" * length, "answer": "1"}) for length in (3, 9, 4, 12)]
+    path = write_jsonl(tmp_path / "p.jsonl", lines)
+    with pytest.warns(UserWarning, match=r"dropped 2 of 4 rows in .*p\.jsonl .*data.max_prompt_length=5"):
+        prompts = FilePrompts(path, max_prompt_length=5)  # <bos> + 4 characters fit
+    assert [e.prompt for e in prompts] == ["111", "1111"] and prompts.dropped_overlong == 2
+    with pytest.raises(PromptFileError, match=r"p\.jsonl:2: the prompt has 10 tokens, more than "
+                                              r"data.max_prompt_length=5.*filter_overlong_prompts=true"):
+        FilePrompts(path, max_prompt_length=5, filter_overlong_prompts=False)
+    with pytest.raises(PromptFileError, match=r"every prompt in .*p\.jsonl is longer than data.max_prompt_length=2"):
+        FilePrompts(path, max_prompt_length=2)

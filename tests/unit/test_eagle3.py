@@ -2,17 +2,19 @@
 the loss, export/import, and (slow) the exported draft speculating inside vLLM."""
 import json
 import os
+import warnings
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 # vLLM reads these at import: the engine in this process, a small KV cache.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+from spectrain.errors import ConfigError  # noqa: E402
 from spectrain.models.eagle3 import (  # noqa: E402
     Eagle3Config,
     Eagle3Draft,
@@ -23,6 +25,7 @@ from spectrain.models.eagle3 import (  # noqa: E402
     shift_within_docs,
     ttt_loss,
 )
+from spectrain.models.hf_io import save_pretrained  # noqa: E402
 from spectrain.models.llama import (  # noqa: E402
     LlamaConfig,
     LlamaForCausalLM,
@@ -30,6 +33,8 @@ from spectrain.models.llama import (  # noqa: E402
     pack_sequences,
     rope_cos_sin,
 )
+from spectrain.tasks.draft_vocab import vocab_mapping_from_token_ids  # noqa: E402
+from spectrain.tasks.hf_tiny import write_specforge_draft  # noqa: E402
 
 # The policy the vLLM tests run: head_dim 32 (vLLM-CPU attention rejects 16).
 POLICY = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
@@ -103,6 +108,19 @@ def test_build_vocab_mapping():
     assert not d2t.any() and t2d.all()
     with pytest.raises(ValueError):
         build_vocab_mapping(counts, 7)
+
+
+def test_vocab_mapping_from_token_ids_keeps_frequent_and_forced_ids():
+    answers = [[5, 3, 5], [3, 5, 7], [7, 1]]  # counts: 5 -> 3, 3 -> 2, 7 -> 2, 1 -> 1
+    d2t, t2d = vocab_mapping_from_token_ids(answers, vocab_size=9, draft_vocab_size=3)
+    assert torch.nonzero(t2d).flatten().tolist() == [3, 5, 7]
+    assert torch.equal(d2t, torch.tensor([3, 4, 5]))  # target = draft + d2t[draft]
+    _, t2d = vocab_mapping_from_token_ids(answers, vocab_size=9, draft_vocab_size=3, always_include=[8, 0])
+    assert torch.nonzero(t2d).flatten().tolist() == [0, 5, 8]  # the stop ids first, then the most frequent
+    with pytest.raises(ValueError, match="raise draft.draft_vocab_size"):
+        vocab_mapping_from_token_ids(answers, 9, 1, always_include=[0, 8])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        vocab_mapping_from_token_ids([[9]], 9, 3)
 
 
 @pytest.mark.parametrize("shift", [-2, 0, 1, 3, 5])
@@ -255,6 +273,100 @@ def test_export_rejects_a_draft_for_another_policy(tmp_path):
         export_draft(_small_draft(), tmp_path, other)
 
 
+# ------------------------------------------------------------------- SpecForge / vLLM drafts
+def _specforge_world(tmp_path, draft_vocab_size: int = 20):
+    """A saved policy and a draft for it in SpecForge's layout (no eagle_config, embed_tokens, d2t and t2d)."""
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM(LlamaConfig(**SMALL))
+    save_pretrained(policy, tmp_path / "policy")
+    d2t, t2d = build_vocab_mapping(torch.rand(SMALL["vocab_size"]), draft_vocab_size)
+    return policy, write_specforge_draft(tmp_path / "draft", tmp_path / "policy", d2t, t2d, seed=0)
+
+
+def _edit_draft(draft_dir, config: dict | None = None, drop=(), **tensors):
+    if config:
+        path = draft_dir / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    state = {k: v for k, v in load_file(str(draft_dir / "model.safetensors")).items() if k not in drop}
+    save_file({**state, **tensors}, str(draft_dir / "model.safetensors"))
+
+
+def test_load_specforge_draft_defaults_aux_layers_drops_equal_embeddings_and_exports(tmp_path):
+    policy, draft_dir = _specforge_world(tmp_path)
+    stored = load_file(str(draft_dir / "model.safetensors"))
+    with pytest.warns(UserWarning, match=r"default aux layers \(1, 2, 3\) for a 4-layer policy"):
+        draft = load_draft(draft_dir, policy_cfg=policy.cfg, policy_embeddings=policy.model.embed_tokens.weight)
+    assert draft.cfg.tap_layers == (1, 2, 3) and draft.cfg.draft_vocab_size == 20
+    assert set(draft.state_dict()) == set(stored) - {"embed_tokens.weight"}
+    for name, want in draft.state_dict().items():
+        assert torch.equal(stored[name], want), name
+
+    out = export_draft(draft, tmp_path / "exported", policy.cfg)
+    config = json.loads((out / "config.json").read_text())
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert {"d2t", "t2d"} <= set(load_file(str(out / "model.safetensors")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the exported config names its aux layers
+        again = load_draft(out, policy_cfg=policy.cfg)
+    for name, want in draft.state_dict().items():
+        assert torch.equal(again.state_dict()[name], want), name
+
+
+@pytest.mark.parametrize("keep", ["d2t", "t2d"])
+def test_load_draft_completes_the_vocab_mapping(tmp_path, keep):
+    policy, draft_dir = _specforge_world(tmp_path)
+    stored = load_file(str(draft_dir / "model.safetensors"))
+    _edit_draft(draft_dir, drop={"d2t", "t2d", "embed_tokens.weight"} - {keep})
+    with pytest.warns(UserWarning, match=r"\(2, 4, 5\) for a 8-layer policy"):  # vLLM's (2, n//2, n-3)
+        draft = load_draft(draft_dir, policy_cfg=LlamaConfig(**{**SMALL, "num_hidden_layers": 8}))
+    assert torch.equal(draft.d2t, stored["d2t"]) and torch.equal(draft.t2d, stored["t2d"])
+
+
+def test_load_full_vocab_draft_without_mapping(tmp_path):
+    _, draft_dir = _specforge_world(tmp_path, draft_vocab_size=SMALL["vocab_size"])
+    _edit_draft(draft_dir, config={"eagle_config": {"eagle_aux_hidden_state_layer_ids": [3, 0, 1]}},
+                drop={"d2t", "t2d", "embed_tokens.weight"})
+    draft = load_draft(draft_dir)
+    assert draft.cfg.tap_layers == (0, 1, 3) and draft.t2d.all() and not draft.d2t.any()
+
+
+def _other_embeddings(d):
+    _edit_draft(d, **{"embed_tokens.weight": torch.randn(32, 16)})
+
+
+BAD_DRAFTS = {
+    "embed_tokens.weight \\(32, 16\\) differs from the policy's embeddings": (_other_embeddings, {}),
+    "neither d2t nor t2d": (lambda d: _edit_draft(d, drop={"d2t", "t2d"}), {}),
+    "d2t/t2d do not map": (lambda d: _edit_draft(d, t2d=load_file(str(d / "model.safetensors"))["t2d"].roll(1)), {}),
+    "vocab_size 32 != policy's 64": (None, {"vocab_size": 64}),
+    "target_hidden_size 16 != policy's hidden_size 32": (None, {"hidden_size": 32}),
+    "tap_layers \\(1, 2, 7\\) beyond the policy's 4 layers": (
+        lambda d: _edit_draft(d, config={"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 7]}}), {}),
+    "fc.weight is \\(16, 48\\), the config needs \\(16, 32\\)": (
+        lambda d: _edit_draft(d, config={"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2]}}), {}),
+    "'norm_output': True": (lambda d: _edit_draft(d, config={"norm_output": True}), {}),
+    "no config.json": (lambda d: (d / "config.json").unlink(), {}),
+}
+
+
+@pytest.mark.parametrize("match", BAD_DRAFTS)
+def test_load_draft_rejects_what_would_not_run_as_trained(tmp_path, match):
+    policy, draft_dir = _specforge_world(tmp_path)
+    edit, policy_changes = BAD_DRAFTS[match]
+    if edit:
+        edit(draft_dir)
+    policy_cfg = LlamaConfig(**{**SMALL, **policy_changes})
+    with pytest.raises(ConfigError, match=f"draft.path={draft_dir}.*{match}"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        load_draft(draft_dir, policy_cfg=policy_cfg, policy_embeddings=policy.model.embed_tokens.weight)
+
+
+def test_load_draft_without_aux_layers_needs_the_policy(tmp_path):
+    _, draft_dir = _specforge_world(tmp_path)
+    with pytest.raises(ConfigError, match="pass policy_cfg"):
+        load_draft(draft_dir)
+
+
 # ---------------------------------------------------------------------------------- vLLM
 K = 3
 MAX_TOKENS = 32
@@ -285,7 +397,6 @@ def _taps(policy, seqs, aux_ids):
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     from spectrain.tasks.tokenizer import save_tokenizer
-    from spectrain.models.hf_io import save_pretrained
 
     root = tmp_path_factory.mktemp("eagle3")
     torch.manual_seed(0)

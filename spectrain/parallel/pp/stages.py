@@ -125,7 +125,8 @@ class PolicyStage(nn.Module):
             assert x.dim() == 2 and x.shape[1] == self.cfg.hidden_size, (
                 f"stage {self.stage_index} takes hidden states [T, {self.cfg.hidden_size}], "
                 f"got {tuple(x.shape)}")
-        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, x.dtype,
+                                self.cfg.rope_scaling)
         for idx, layer in self.model.layers.items():
             if int(idx) in self._tapped_layers:
                 self._tap(mb, layer_tap_name(int(idx)), x)

@@ -73,6 +73,12 @@ def _prepare_environment(kv_cache_gib: float) -> int:
     return kv_cache_bytes(kv_cache_gib)
 
 
+def _on_cuda() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda()
+
+
 class VLLMRolloutEngine:
     """A `RolloutEngine` over `vllm.LLM`.
 
@@ -81,6 +87,7 @@ class VLLMRolloutEngine:
         draft_dir: vLLM EAGLE-3 directory of the draft, or None for plain decoding.
         num_speculative_tokens: tokens the draft proposes per step.
         spec_schedule: optional vLLM `num_speculative_tokens_per_batch_size` ranges.
+        gpu_memory_utilization, tensor_parallel_size: vLLM's, used on CUDA (on CPU the KV cache is `kv_cache_gib`).
         vllm_kwargs: more `vllm.LLM` arguments (not the ones set here).
     """
 
@@ -94,6 +101,8 @@ class VLLMRolloutEngine:
         kv_cache_gib: float = 1.0,
         seed: int = 0,
         dtype: str = "float32",
+        gpu_memory_utilization: float = 0.6,
+        tensor_parallel_size: int = 1,
         vllm_kwargs: dict | None = None,
     ) -> None:
         kv_bytes = _prepare_environment(kv_cache_gib)
@@ -104,8 +113,11 @@ class VLLMRolloutEngine:
         self.draft_version = 0
         self.speculation_disabled = False
         kwargs = dict(model=str(policy_dir), dtype=dtype, max_model_len=max_model_len, seed=seed,
-                      enforce_eager=True, enable_prefix_caching=False, disable_log_stats=False,
-                      kv_cache_memory_bytes=kv_bytes)
+                      enforce_eager=True, enable_prefix_caching=False, disable_log_stats=False)
+        if _on_cuda():  # vLLM sizes the KV cache from its share of the GPU
+            kwargs.update(gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size)
+        else:
+            kwargs.update(kv_cache_memory_bytes=kv_bytes)
         assert not set(vllm_kwargs or {}) & set(kwargs), "config.validate refuses what spectrain sets itself"
         assert set(kwargs) | {"speculative_config"} <= set(VLLM_KWARGS_SET_BY_SPECTRAIN)
         kwargs.update(vllm_kwargs or {})
@@ -159,7 +171,8 @@ class VLLMRolloutEngine:
 
         return SamplingParams(n=sampling.n, max_tokens=self.max_tokens_for(prompt_len, sampling.max_tokens),
                               temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
-                              min_tokens=sampling.min_tokens, logprobs=0)
+                              min_tokens=sampling.min_tokens, stop_token_ids=list(sampling.stop_token_ids) or None,
+                              logprobs=0)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
         """`sampling.n` completions per prompt, grouped by prompt in order."""

@@ -1,0 +1,58 @@
+"""The EAGLE-3 draft vocabulary: the most frequent target tokens of the training data.
+
+A draft head over the whole vocabulary of a modern model (151,936 rows for Qwen3) is most of
+the draft's parameters and compute; the ecosystem (EAGLE-3, SpecForge, vLLM) keeps the
+`draft_vocab_size` most frequent target ids and maps them with `d2t` / `t2d`. Tokens outside
+it are never proposed, so they only cost acceptance where the policy emits them, which the
+frequency ranking makes rare. It lives with the data (below the models) so that asset writers
+can build a mapping without importing the draft.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+
+def build_vocab_mapping(token_counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(d2t int64 [Vd], t2d bool [V])` for the `Vd` most frequent target tokens.
+
+    The kept ids are sorted so draft id order is target id order (`logits[:, t2d]` is then
+    in draft order); ties go to the lower id. `d2t[i] = used[i] - i`, vLLM's offset form.
+    """
+    assert token_counts.dim() == 1, token_counts.shape
+    vocab = token_counts.shape[0]
+    if not 0 < draft_vocab_size <= vocab:
+        raise ValueError(f"draft_vocab_size={draft_vocab_size} must be in 1..{vocab}")
+    order = torch.sort(token_counts.cpu().double(), descending=True, stable=True).indices
+    used = order[:draft_vocab_size].sort().values
+    d2t = used - torch.arange(draft_vocab_size)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[used] = True
+    return d2t.long(), t2d
+
+
+def vocab_mapping_from_token_ids(
+    token_id_lists: Iterable[Sequence[int]],
+    vocab_size: int,
+    draft_vocab_size: int,
+    always_include: Sequence[int] = (),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`build_vocab_mapping` over the token frequencies of `token_id_lists` (e.g. tokenized answers).
+
+    `always_include` (the stop and special ids) are kept whatever their count: a draft that
+    cannot propose the end of turn loses the last token of every completion.
+    """
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
+    for ids in token_id_lists:
+        ids = torch.as_tensor(list(ids), dtype=torch.long)
+        if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < vocab_size:
+            raise ValueError(f"token ids {int(ids.min())}..{int(ids.max())} are outside the "
+                             f"vocabulary 0..{vocab_size - 1}: tokenizer and vocab_size disagree")
+        counts += torch.bincount(ids, minlength=vocab_size).double()
+    forced = sorted(set(int(i) for i in always_include))
+    if len(forced) > draft_vocab_size:
+        raise ValueError(f"draft_vocab_size={draft_vocab_size} cannot hold the {len(forced)} ids that "
+                         "must always be in it (stop and special tokens): raise draft.draft_vocab_size")
+    counts[forced] = float("inf")
+    return build_vocab_mapping(counts, draft_vocab_size)

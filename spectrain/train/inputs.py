@@ -1,0 +1,128 @@
+"""What a run trains on, built from the config: tokenizer, prompt sources, reward and the policy.
+
+The toy world (character tokenizer, arithmetic task, a policy built from scratch) is the
+default; `policy.path`, `tokenizer.path`, `data.*` and `reward.*` swap in a Hugging Face
+checkpoint, its tokenizer, prompt files and another reward (docs/your_model.md). Every
+failure here is a `ConfigError` naming the key to fix, raised before anything is written.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from spectrain.config import SpecTrainConfig
+from spectrain.errors import ConfigError
+from spectrain.models.llama import LlamaConfig, LlamaForCausalLM
+
+
+def build_tokenizer(config: SpecTrainConfig):
+    """The checkpoint's own tokenizer (`tokenizer.path`, else `policy.path`), or the toy's character tokenizer."""
+    t = config.tokenizer
+    path = t.path or config.policy.path
+    if path is None:
+        from spectrain.tasks.tokenizer import CharTokenizer
+
+        return CharTokenizer()
+    from spectrain.tasks.hf_tokenizer import HFTokenizer
+
+    try:
+        return HFTokenizer(path, chat_template=t.chat_template, chat_template_kwargs=dict(t.chat_template_kwargs),
+                           system_prompt=t.system_prompt)
+    except ValueError as exc:  # the message names its tokenizer.* key
+        raise ConfigError(str(exc)) from exc
+    except OSError as exc:
+        key = "tokenizer.path" if t.path else "policy.path"
+        raise ConfigError(f"{key}: cannot load a tokenizer from {path} ({exc}); give a Hugging Face directory "
+                          f"with tokenizer.json / tokenizer_config.json, or set tokenizer.path") from exc
+
+
+def file_prompts(config: SpecTrainConfig, files, tokenizer, key: str):
+    """The rows of `files` (`data.train_files` or `data.val_files`, named by `key` in errors)."""
+    from spectrain.tasks.sources import PromptFileError, build_prompt_source
+
+    d = config.data
+    try:
+        return build_prompt_source("files", files=files, prompt_key=d.prompt_key, answer_key=d.answer_key,
+                                   target_key=d.target_key, prompt_template=d.prompt_template,
+                                   max_prompt_length=d.max_prompt_length,
+                                   filter_overlong_prompts=d.filter_overlong_prompts, on_bad_row=d.on_bad_row,
+                                   tokenizer=tokenizer, seed=config.trainer.seed)
+    except PromptFileError as exc:
+        raise ConfigError(f"{key}: {exc}") from exc
+    except ValueError as exc:  # the tokenizer refusing a prompt (e.g. chat messages without a chat template)
+        raise ConfigError(f"{exc} (while reading {key})") from exc
+    except OSError as exc:
+        raise ConfigError(f"{key}: cannot read {files} ({exc.strerror or exc}); give the path of a JSONL or "
+                          f"parquet prompt file (or a list of them)") from exc
+
+
+def build_reward_fn(config: SpecTrainConfig):
+    """`reward.name` bound to its options; a custom reward that does not import fails here."""
+    from spectrain.tasks.rewards import get_reward_fn
+
+    r = config.reward
+    options = {"exact_answer": dict(partial_credit=r.partial_credit),
+               "custom": dict(path=r.path, function=r.function, timeout_s=r.timeout_s)}.get(r.name, {})
+    try:
+        return get_reward_fn(r.name, **options)
+    except ValueError as exc:
+        message = str(exc)
+        raise ConfigError(message if message.startswith("reward.") else f"reward.name: {message}") from exc
+
+
+def model_identity(config: SpecTrainConfig) -> dict | None:
+    """What names a pretrained policy in cache keys: its resolved path and a hash of its config.json."""
+    if config.policy.path is None:
+        return None
+    path = Path(config.policy.path).resolve()
+    digest = hashlib.sha256((path / "config.json").read_bytes()).hexdigest()
+    return {"path": str(path), "config_sha256": digest}
+
+
+def check_policy_path(config: SpecTrainConfig) -> LlamaConfig | None:
+    """The checkpoint's architecture, read (not loaded) to fail early on a bad `policy.path`."""
+    if config.policy.path is None:
+        return None
+    from spectrain.models.hf_io import load_config
+
+    try:
+        return load_config(config.policy.path)
+    except (OSError, ValueError) as exc:
+        message = str(exc)
+        raise ConfigError(message if message.startswith("policy.path") else f"policy.path: {message}") from exc
+
+
+def build_policy(config: SpecTrainConfig, tokenizer) -> LlamaForCausalLM:
+    """The pretrained `policy.path` (float32 master weights), or the toy policy sized by `policy.*`."""
+    p = config.policy
+    if p.path is None:
+        cfg = LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=p.hidden_size,
+                          intermediate_size=p.intermediate_size, num_hidden_layers=p.num_hidden_layers,
+                          num_attention_heads=p.num_attention_heads, num_key_value_heads=p.num_key_value_heads,
+                          qk_norm=p.qk_norm, tie_word_embeddings=p.tie_word_embeddings,
+                          max_position_embeddings=p.max_position_embeddings, bos_token_id=tokenizer.bos_id,
+                          eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
+        return LlamaForCausalLM(cfg)
+    from spectrain.models.hf_io import load_pretrained
+
+    check_policy_path(config)
+    policy = load_pretrained(p.path, dtype=torch.float32)  # bf16 runs autocast over float32 master weights
+    check_vocab(policy.cfg.vocab_size, tokenizer.vocab_size)
+    return policy
+
+
+def check_vocab(model_vocab: int, tokenizer_vocab: int) -> None:
+    """A model may pad its vocabulary beyond the tokenizer's (ids it never sees), never the other way round."""
+    if tokenizer_vocab > model_vocab:
+        raise ConfigError(f"tokenizer.path: the tokenizer has {tokenizer_vocab} tokens but the policy's vocab_size is "
+                          f"{model_vocab}: ids beyond the model's embedding would crash the forward. Use the "
+                          f"checkpoint's own tokenizer (leave tokenizer.path null) or one it was trained with")
+
+
+def check_context(config: SpecTrainConfig, pretrained: LlamaConfig) -> None:
+    """The engine's context must fit the checkpoint's positions (the toy's is checked against policy.*)."""
+    if config.rollout.max_model_len > pretrained.max_position_embeddings:
+        raise ConfigError(f"rollout.max_model_len: {config.rollout.max_model_len} exceeds the checkpoint's "
+                          f"max_position_embeddings={pretrained.max_position_embeddings}; lower rollout.max_model_len")
