@@ -428,11 +428,7 @@ def load_draft(draft_dir: str | Path, dtype: torch.dtype = torch.float32, policy
     Errors are `ConfigError`s naming `draft.path`, the mismatch and the fix.
     """
     path = Path(draft_dir)
-    raw = _read_draft_config(path)
-    cfg = _draft_config(path, raw, policy_cfg)
-    if policy_cfg is not None and (problems := policy_mismatches(cfg, policy_cfg)):
-        raise ConfigError(f"draft.path={path} does not fit the policy: {'; '.join(problems)}. "
-                          "Use a draft trained for this policy, or draft.init=scratch")
+    cfg = read_draft_config(path, policy_cfg)
     state = _read_draft_weights(path)
     _drop_policy_embeddings(path, state, policy_embeddings)
     _complete_vocab_mapping(path, state, cfg)
@@ -450,6 +446,17 @@ def load_draft(draft_dir: str | Path, dtype: torch.dtype = torch.float32, policy
                             "or point draft.path at the matching checkpoint")
     draft.load_state_dict(state, strict=False)
     return draft
+
+
+def read_draft_config(draft_dir: str | Path, policy_cfg: LlamaConfig | None = None) -> Eagle3Config:
+    """The draft's architecture from its config.json, checked against `policy_cfg` (no weights are read, so a run
+    can refuse a draft that does not fit before it trains anything)."""
+    path = Path(draft_dir)
+    cfg = _draft_config(path, _read_draft_config(path), policy_cfg)
+    if policy_cfg is not None and (problems := policy_mismatches(cfg, policy_cfg)):
+        raise ConfigError(f"draft.path={path} does not fit the policy: {'; '.join(problems)}. "
+                          "Use a draft trained for this policy, or draft.init=scratch")
+    return cfg
 
 
 def _read_draft_config(path: Path) -> dict:

@@ -98,7 +98,7 @@ def load_pretrained(model_dir: str | Path, dtype: torch.dtype = torch.float32,
     """
     path = Path(model_dir)
     cfg = load_config(path)
-    shards = _weight_files(path)
+    shards = weight_files(path)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
@@ -124,7 +124,7 @@ def load_pretrained(model_dir: str | Path, dtype: torch.dtype = torch.float32,
 def read_tensor(model_dir: str | Path, name: str) -> torch.Tensor:
     """One tensor of a checkpoint, read from the file that holds it (e.g. the embedding a draft trained for this
     checkpoint copied, to compare with after SFT moved the policy's)."""
-    for shard in _weight_files(Path(model_dir)):
+    for shard in weight_files(Path(model_dir)):
         with safe_open(str(shard), framework="pt") as f:
             if name in f.keys():
                 return f.get_tensor(name)
@@ -157,7 +157,7 @@ def _listed(problems: list[str]) -> str:
     return "; ".join(problems[:_MAX_LISTED]) + (f"; and {more} more" if more > 0 else "")
 
 
-def _weight_files(path: Path) -> list[Path]:
+def weight_files(path: Path) -> list[Path]:
     """The safetensors files holding the weights: the index's shards, or the single file."""
     if (path / _INDEX).is_file():
         weight_map = json.loads((path / _INDEX).read_text())["weight_map"]

@@ -16,6 +16,7 @@ Precision: fp16 / bf16 / fp32 inputs are computed in float32, float64 inputs in 
 ``out`` has the dtype of ``q``; ``lse`` is float32 (float64 for float64 inputs).
 """
 
+import functools
 from bisect import bisect_right
 from dataclasses import dataclass
 
@@ -25,6 +26,18 @@ from spectrain.ops import padded_flash
 
 BLOCK_Q = 128
 BLOCK_K = 1024
+
+
+def _without_autocast(fn):
+    """The blockwise math picks its own compute dtype (float32 for half inputs): an outer autocast (Lightning's
+    bf16-mixed) would re-cast its matmuls to bf16 halfway and mix dtypes in the accumulators."""
+
+    @functools.wraps(fn)
+    def wrapper(q, *args, **kwargs):
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            return fn(q, *args, **kwargs)
+
+    return wrapper
 
 
 @dataclass(frozen=True)
@@ -150,6 +163,7 @@ def _heads_first_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale) -> _
 
 
 @torch.no_grad()
+@_without_autocast
 def attn_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -193,6 +207,7 @@ def attn_forward(
 
 
 @torch.no_grad()
+@_without_autocast
 def attn_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -319,7 +334,15 @@ def varlen_attention_with_lse(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable packed attention returning ``(out, lse)``; ``lse`` carries no gradient."""
     ops = LocalAttentionOps() if ops is None else ops
+    q, k, v = common_dtype(q, k, v)
     return _VarlenAttention.apply(q, k, v, cu_seqlens, causal, scale, ops)
+
+
+def common_dtype(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors in their widest dtype: under autocast, rotary tables and norms (float32) promote q and k while
+    v stays bf16, and the kernels take one dtype."""
+    dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+    return [t.to(dtype) for t in tensors]
 
 
 def varlen_attention(

@@ -10,7 +10,7 @@ dense formulation never exists.
 
 import torch
 
-from spectrain.ops.attention import LocalAttentionOps
+from spectrain.ops.attention import LocalAttentionOps, common_dtype
 from spectrain.ops.lse_merge import merge_attn
 
 
@@ -110,4 +110,5 @@ def ttt_attention(
     assert q.shape[2] == keys[0].shape[2], (q.shape, keys[0].shape)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     ops = LocalAttentionOps() if ops is None else ops
-    return _TTTAttention.apply(q, cu_seqlens, scale, ops, len(keys), *keys, *values)
+    q, *kv = common_dtype(q, *keys, *values)
+    return _TTTAttention.apply(q, cu_seqlens, scale, ops, len(keys), *kv)

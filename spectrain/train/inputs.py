@@ -8,6 +8,7 @@ failure here is a `ConfigError` naming the key to fix, raised before anything is
 from __future__ import annotations
 
 import hashlib
+import warnings
 from pathlib import Path
 
 import torch
@@ -82,13 +83,15 @@ def model_identity(config: SpecTrainConfig) -> dict | None:
 
 
 def check_policy_path(config: SpecTrainConfig) -> LlamaConfig | None:
-    """The checkpoint's architecture, read (not loaded) to fail early on a bad `policy.path`."""
+    """The checkpoint's architecture, read (its weights only listed) to fail early on a bad `policy.path`."""
     if config.policy.path is None:
         return None
-    from spectrain.models.hf_io import load_config
+    from spectrain.models.hf_io import load_config, weight_files
 
     try:
-        return load_config(config.policy.path)
+        pretrained = load_config(config.policy.path)
+        weight_files(Path(config.policy.path))
+        return pretrained
     except (OSError, ValueError) as exc:
         message = str(exc)
         raise ConfigError(message if message.startswith("policy.path") else f"policy.path: {message}") from exc
@@ -126,3 +129,19 @@ def check_context(config: SpecTrainConfig, pretrained: LlamaConfig) -> None:
     if config.rollout.max_model_len > pretrained.max_position_embeddings:
         raise ConfigError(f"rollout.max_model_len: {config.rollout.max_model_len} exceeds the checkpoint's "
                           f"max_position_embeddings={pretrained.max_position_embeddings}; lower rollout.max_model_len")
+
+
+def check_draft_path(config: SpecTrainConfig, pretrained: LlamaConfig | None) -> None:
+    """`draft.path`'s config read and, for a pretrained policy, checked against it (weights load in the warm start)."""
+    d = config.draft
+    if d.mode == "none" or d.init != "path":
+        return
+    from spectrain.models.eagle3 import read_draft_config
+
+    with warnings.catch_warnings():  # a missing eagle_config is reported once, when the draft loads
+        warnings.simplefilter("ignore")
+        try:
+            read_draft_config(d.path, pretrained)
+        except OSError as exc:
+            raise ConfigError(f"draft.path: cannot read {d.path} ({exc}); give an EAGLE-3 directory in vLLM's or "
+                              f"SpecForge's layout") from exc

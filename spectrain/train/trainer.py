@@ -112,6 +112,13 @@ class SpecTrainer:
         files = self.config.data.val_files
         return inputs.file_prompts(self.config, files, self.tokenizer, "data.val_files") if files else None
 
+    def prompt_file_counts(self) -> dict[str, dict[str, int]]:
+        """Rows kept, skipped as bad and dropped as too long, per prompt file set (also warned about when loaded)."""
+        sources = {"train": self.source, "val": self.val_source}
+        return {name: {"rows": len(source), "skipped_bad": source.skipped_bad,
+                       "dropped_overlong": source.dropped_overlong}
+                for name, source in sources.items() if hasattr(source, "dropped_overlong")}
+
     def reward(self, completion: str, answer: str) -> float:
         """Score one completion; the default looks up `reward.name` (bound once, in `fit`)."""
         return self._reward_fn(completion, answer)
@@ -205,6 +212,8 @@ class SpecTrainer:
         L.seed_everything(self.config.trainer.seed, workers=True, verbose=False)
         resume_ckpt, start_step = self._on_rank_zero(self.check_inputs)  # nothing is written before they pass
         self._on_rank_zero(self.create_run_dir)
+        if self.is_rank_zero:
+            self.run.record({"prompt_files": self.prompt_file_counts()})
         self.build_inputs()  # on the other ranks: rank 0 built them while checking
         policy, draft = self._rank_zero_first(self._warm_start)
         if self.strategy is not None:
@@ -263,6 +272,7 @@ class SpecTrainer:
         if pretrained is not None:
             inputs.check_vocab(pretrained.vocab_size, self.tokenizer.vocab_size)
             inputs.check_context(self.config, pretrained)
+        inputs.check_draft_path(self.config, pretrained)
         self.check_lengths()
         self._check_logger()
         self._check_engine_inputs(pretrained.head_dim if pretrained is not None else None)

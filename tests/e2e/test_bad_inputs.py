@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -269,6 +270,65 @@ def world(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("argv, pattern, setup", [r[1:] for r in ROWS], ids=[r[0] for r in ROWS])
 def test_bad_input_is_one_clear_line_and_touches_nothing(world, monkeypatch, capsys, argv, pattern, setup):
+    assert_refused(world, monkeypatch, capsys, argv, pattern, setup)
+
+
+# bring-your-own-model inputs, on the hf_tiny_cpu recipe's generated checkpoint, data and draft -------------------
+def hf_tiny(part: str) -> Path:
+    from spectrain.config.loading import asset_path
+
+    return Path(asset_path(f"hf_tiny/{part}"))
+
+
+def copy_with_config(part: str, dest: str, **changes) -> None:
+    """A copy of a generated checkpoint whose config.json has `changes` (None deletes a key)."""
+    shutil.copytree(hf_tiny(part), dest)
+    config = json.loads(Path(dest, "config.json").read_text())
+    config.update(changes)
+    write(f"{dest}/config.json", json.dumps({k: v for k, v in config.items() if v is not None}))
+
+
+def bin_weights_only(dest: str) -> None:
+    copy_with_config("policy", dest)
+    Path(dest, "model.safetensors").rename(Path(dest, "pytorch_model.bin"))
+
+
+HF_FIT = ["fit", "hf_tiny_cpu", *BASE, NEW]
+HF_ROWS = [
+    ("policy path missing", [*HF_FIT, "policy.path=nowhere"], r"policy\.path: .*nowhere", None),
+    ("policy weights as .bin only", [*HF_FIT, "policy.path=bin"], r"policy\.path: .*convert them to safetensors",
+     lambda: bin_weights_only("bin")),
+    ("unsupported architecture", [*HF_FIT, "policy.path=gemma"], r"policy\.path: .*GemmaForCausalLM.*Qwen3ForCausalLM",
+     lambda: copy_with_config("policy", "gemma", model_type="gemma", architectures=["GemmaForCausalLM"])),
+    ("unknown rope type", [*HF_FIT, "policy.path=rope"], r"policy\.path: .*dynamic",
+     lambda: copy_with_config("policy", "rope", rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+                              rope_parameters=None)),
+    ("tokenizer beyond the model's vocab", [*HF_FIT, "policy.path=small", "tokenizer.path=${spectrain.asset:hf_tiny/policy}"],
+     r"tokenizer\.path: the tokenizer has \d+ tokens but the policy's vocab_size is 100",
+     lambda: copy_with_config("policy", "small", vocab_size=100)),
+    ("draft of another hidden size", [*HF_FIT, "draft.path=wide"], r"draft\.path=wide.*hidden",
+     lambda: copy_with_config("draft", "wide", hidden_size=256, target_hidden_size=256)),
+    ("data without the configured key", [*HF_FIT, "data.prompt_key=problem"], r"data\.train_files: .*data\.prompt_key",
+     None),
+    ("custom reward that does not import", [*HF_FIT, "reward.name=custom", "reward.path=bad.py"],
+     r"reward\.path: .*no_such_module", lambda: write("bad.py", "import no_such_module\n")),
+]
+
+
+@pytest.fixture(scope="module")
+def asset_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("spectrain_cache")
+
+
+@pytest.mark.parametrize("argv, pattern, setup", [r[1:] for r in HF_ROWS], ids=[r[0] for r in HF_ROWS])
+def test_bad_model_input_is_one_clear_line_and_touches_nothing(world, asset_cache, monkeypatch, capsys, argv, pattern,
+                                                                setup):
+    monkeypatch.setenv("SPECTRAIN_CACHE", str(asset_cache))
+    assert_refused(world, monkeypatch, capsys, argv, pattern, setup)
+
+
+def assert_refused(world, monkeypatch, capsys, argv, pattern, setup) -> None:
+    """`argv` exits with one `error:` line matching `pattern`, before a run directory is made, changing nothing."""
     if setup is not None:
         setup()
     before = tree_state(world)
