@@ -135,7 +135,7 @@ def test_bandit_user_recipe_with_jsonl_task_tensorboard_and_callback(tmp_path, c
     calls = tmp_path / "calls.jsonl"
     recipe = tmp_path / "my_bandit.yaml"
     recipe.write_text(f"defaults: [tiny_cpu_bandit]\n"
-                      f"task: {{name: jsonl, path: {prompts}}}\n"
+                      f"task: {{name: files}}\ndata: {{train_files: {prompts}}}\n"
                       f"trainer:\n"
                       f"  logger: tensorboard\n"
                       f"  callbacks:\n"
