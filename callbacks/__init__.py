@@ -1,11 +1,12 @@
 """Lightning callbacks of spectrain: draft co-training, weight sync, acceptance logging, held-out evaluation,
-run history and stopping on a signal with a checkpoint."""
+policy drift, run history and stopping on a signal with a checkpoint."""
 from spectrain.callbacks.acceptance_logger import AcceptanceLengthLogger
 from spectrain.callbacks.draft_cotraining import DraftCoTraining
 from spectrain.callbacks.held_out_eval import HeldOutEval
+from spectrain.callbacks.policy_drift import PolicyDrift
 from spectrain.callbacks.run_history import RunHistory
 from spectrain.callbacks.stop_on_signal import RunInterrupted, StopOnSignal
 from spectrain.callbacks.weight_sync import SpeculationDeadError, WeightSync
 
-__all__ = ["AcceptanceLengthLogger", "DraftCoTraining", "HeldOutEval", "RunHistory", "RunInterrupted", "SpeculationDeadError",
-           "StopOnSignal", "WeightSync"]
+__all__ = ["AcceptanceLengthLogger", "DraftCoTraining", "HeldOutEval", "PolicyDrift", "RunHistory", "RunInterrupted",
+           "SpeculationDeadError", "StopOnSignal", "WeightSync"]

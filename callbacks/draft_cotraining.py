@@ -42,8 +42,9 @@ class DraftCoTraining(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if (trainer.global_step - 1) % self.every_n_steps:
             # NaN, not nothing: Lightning would repeat the last trained step's values in this row
-            pl_module.log_dict(self._metrics(math.nan, math.nan, [math.nan] * self.ttt_passes,
-                                             [math.nan] * self.ttt_passes), on_step=True, batch_size=1)
+            pl_module.log_dict({**self._metrics(math.nan, math.nan, [math.nan] * self.ttt_passes,
+                                                [math.nan] * self.ttt_passes), "draft/lr": math.nan},
+                               on_step=True, batch_size=1)
             return
         started = time.perf_counter()
         # Under PP only the last stage holds the draft: the others pass no taps and add zeros to the sums.
@@ -54,13 +55,16 @@ class DraftCoTraining(Callback):
             backward=pl_module.manual_backward,
             sum_over_ranks=lambda t: trainer.strategy.reduce(t, reduce_op="sum"),
             reduce_gradients=pl_module.plan.reduce_gradients, share_dtype=pl_module.teacher_dtype)
+        lr = pl_module.draft_optimizer().param_groups[0]["lr"]  # the rate this update used
+        pl_module.count_draft_update(update)
         if update.applied:
             self.steps_trained += 1
         else:
             self.steps_skipped += 1
         seconds = trainer.strategy.reduce(torch.tensor(time.perf_counter() - started), reduce_op="max")  # the host's
-        pl_module.log_dict(self._metrics(update.loss, seconds.item(), update.metrics.loss.tolist(),
-                                         update.metrics.accuracy.tolist()), on_step=True, batch_size=1)
+        pl_module.log_dict({**self._metrics(update.loss, seconds.item(), update.metrics.loss.tolist(),
+                                            update.metrics.accuracy.tolist()), "draft/lr": lr},
+                           on_step=True, batch_size=1)
 
     def _metrics(self, loss: float, seconds: float, pass_losses: list[float], pass_top1: list[float]) -> dict:
         log = {"draft/loss": loss, "draft/seconds": seconds, "draft/skipped_steps": float(self.steps_skipped)}

@@ -114,7 +114,10 @@ class DraftConfig:
     num_speculative_tokens: int = 3
     ttt_passes: int = 3
     tap_layers: list[int] | None = None  # None: vLLM's (2, n//2, n-3); (1, n//2, n-1) if those repeat
-    lr: float = 3e-3
+    lr: float = 3e-4  # online co-training updates (docs/cotraining.md: 3e-3 here undoes the warm-up's progress)
+    lr_ramp_updates: int = 10  # the online lr ramps up linearly over this many draft updates (0: none)
+    carry_warmup_optimizer: bool = True  # online AdamW starts from the warm-up's moments, not from zero
+    warmup_lr: float = 3e-3  # the offline warm-up's
     grad_clip: float = 1.0
     every_n_steps: int = 1
     pass_decay: float = 0.8

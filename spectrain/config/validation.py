@@ -53,9 +53,9 @@ _AT_LEAST_ONE = (
     "speculation.bandit.min_plays", "speculation.long_tail.threshold", "trainer.log_every_n_steps",
     "trainer.checkpoint_every_n_steps",
 )
-_AT_LEAST_ZERO = ("draft.warmup_steps", "grpo.kl_beta", "grpo.weight_decay", "speculation.long_tail.max_steps",
+_AT_LEAST_ZERO = ("draft.warmup_steps", "draft.lr_ramp_updates", "grpo.kl_beta", "grpo.weight_decay", "speculation.long_tail.max_steps",
                   "trainer.max_steps", "trainer.eval_every_n_steps")
-_POSITIVE = ("sft.lr", "grpo.lr", "grpo.clip_eps", "grpo.adv_eps", "grpo.grad_clip", "draft.lr", "draft.grad_clip")
+_POSITIVE = ("sft.lr", "grpo.lr", "grpo.clip_eps", "grpo.adv_eps", "grpo.grad_clip", "draft.lr", "draft.warmup_lr", "draft.grad_clip")
 _MAX_SEED = 2**32 - 1  # Lightning's seed_everything accepts 0..2^32-1
 
 

@@ -55,6 +55,11 @@ def _same_everywhere(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def draft_optimizer(draft: Eagle3Draft, lr: float) -> torch.optim.AdamW:
+    """The draft's AdamW, the same for the warm-up and online co-training, so the warm-up's state carries over."""
+    return torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0)
+
+
 def draft_update(draft: Eagle3Draft, optimizer: torch.optim.Optimizer, chunks: Sequence[DraftInputs], *,
                  ttt_passes: int, pass_decay: float, grad_clip: float,
                  backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,

@@ -28,7 +28,7 @@ from spectrain.rollout.engine import Completion, LoadStats, RolloutEngine, Sampl
 from spectrain.rollout.speculation.controllers import uses_step_loop
 from spectrain.rollout.speculation.long_tail import LongTailPolicy, LongTailTrainer
 from spectrain.rollout.speculation.stepwise import StepwiseRollouts
-from spectrain.train.draft_update import draft_update
+from spectrain.train.draft_update import DraftUpdate, draft_optimizer, draft_update
 
 
 @dataclass
@@ -46,13 +46,14 @@ class RolloutStats:
 
 class GRPOModule(L.LightningModule):
     def __init__(self, config: SpecTrainConfig, policy: LlamaForCausalLM, draft: torch.nn.Module | None,
-                 tokenizer, reward_fn) -> None:
+                 tokenizer, reward_fn, draft_warmup_state: dict | None = None) -> None:
         super().__init__()
         self.config = config
         self.policy = policy
         self.draft = draft
         self.tokenizer = tokenizer
         self.reward_fn = reward_fn
+        self.draft_warmup_state = draft_warmup_state  # the warm-up's AdamW state, carried into co-training
         self.automatic_optimization = False
         # KL(policy || warm start) needs the warm start frozen beside the policy
         self.reference = copy.deepcopy(policy).requires_grad_(False) if config.grpo.kl_beta > 0 else None
@@ -60,6 +61,7 @@ class GRPOModule(L.LightningModule):
         self.plan: TrainPlan = LocalPlan()  # replaced by SpecParallelStrategy under dp/cp/pp
         self.draft_inputs: list[DraftInputs] = []  # left by the policy forward for DraftCoTraining
         self.rollout_stats: RolloutStats | None = None
+        self.rollout_batch: RolloutBatch | None = None  # the step's packed rollout, for callbacks (PolicyDrift)
         # the step loop, when k adapts per engine step or the long tail trains the draft
         self.stepwise = StepwiseRollouts(config) if uses_step_loop(config) else None
         self._warned_preemption = False
@@ -81,8 +83,15 @@ class GRPOModule(L.LightningModule):
         policy_opt = torch.optim.AdamW(self.policy.parameters(), lr=g.lr, weight_decay=g.weight_decay)
         if self.draft is None:
             return policy_opt
-        draft_opt = torch.optim.AdamW(self.draft.parameters(), lr=self.config.draft.lr, weight_decay=0.0)
-        return [policy_opt, draft_opt]
+        d = self.config.draft
+        draft_opt = draft_optimizer(self.draft, d.lr)
+        if d.carry_warmup_optimizer and self.draft_warmup_state is not None:
+            # the warm-up's moments: the first online updates are then not full-size sign steps of a fresh Adam
+            draft_opt.load_state_dict(self.draft_warmup_state)
+            for group in draft_opt.param_groups:
+                group["lr"] = d.lr
+        ramp = torch.optim.lr_scheduler.LambdaLR(draft_opt, lambda u: min(1.0, (u + 1) / (d.lr_ramp_updates + 1)))
+        return [policy_opt, draft_opt], [ramp]  # checkpointed with the optimizers, so a resume continues the ramp
 
     def policy_optimizer(self):
         opts = self.optimizers()
@@ -91,6 +100,11 @@ class GRPOModule(L.LightningModule):
     def draft_optimizer(self) -> torch.optim.Optimizer:
         """The raw torch optimizer: stepping Lightning's wrapper would advance `global_step` twice per batch."""
         return self.optimizers()[1].optimizer
+
+    def count_draft_update(self, update: DraftUpdate) -> None:
+        """Advance the online learning-rate ramp by one applied draft update (co-training or spot)."""
+        if update.applied:
+            self.lr_schedulers().step()
 
     @property
     def teacher_dtype(self) -> torch.dtype:
@@ -169,9 +183,14 @@ class GRPOModule(L.LightningModule):
         lt, d = self.config.speculation.long_tail, self.config.draft
         if not (lt.enabled and self.trains_draft and self.draft_inputs):
             return None
-        return LongTailTrainer(LongTailPolicy(lt.threshold, lt.max_steps), lambda: draft_update(
-            self.draft, self.draft_optimizer(), self.draft_inputs, ttt_passes=d.ttt_passes, pass_decay=d.pass_decay,
-            grad_clip=d.grad_clip, backward=self.manual_backward))
+
+        def spot_update() -> DraftUpdate:
+            update = draft_update(self.draft, self.draft_optimizer(), self.draft_inputs, ttt_passes=d.ttt_passes,
+                                  pass_decay=d.pass_decay, grad_clip=d.grad_clip, backward=self.manual_backward)
+            self.count_draft_update(update)
+            return update
+
+        return LongTailTrainer(LongTailPolicy(lt.threshold, lt.max_steps), spot_update)
 
     @override
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -202,6 +221,7 @@ class GRPOModule(L.LightningModule):
             "the rollout engine must return each sampled token's logprob: they are GRPO's old policy")
         batch = build_rollout_batch(completions, group_advantages(rewards, self.config.rollout.group_size,
                                                                   g.adv_eps)).to(self.device)
+        self.rollout_batch = batch
         capture = self.tap_layers if self.trains_draft else ()
         generator = torch.Generator().manual_seed(self.config.trainer.seed * 1_000_003 + self.global_step)
         updates = [(epoch, docs) for epoch in range(g.epochs)

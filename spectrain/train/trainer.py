@@ -29,7 +29,8 @@ from spectrain.train.module import GRPOModule
 from spectrain.train.run_dir import RunDir, drop_logged_steps
 from spectrain.parallel.mesh import world_size
 from spectrain.rollout.engine import RolloutEngine
-from spectrain.train.warm_start import cached, policy_cache_key, sft_enabled, warm_start_policy
+from spectrain.train.warm_start import (cached, policy_cache_key, sft_enabled, warm_start_policy,
+                                        warmup_optimizer_state)
 
 
 
@@ -220,7 +221,8 @@ class SpecTrainer:
             self.prepare_rollout_process_groups()
         self._on_rank_zero(lambda: self._start_engine(policy, draft))  # every rank learns of a failed start
         try:
-            self.module = GRPOModule(self.config, policy, draft, self.tokenizer, self.reward)
+            self.module = GRPOModule(self.config, policy, draft, self.tokenizer, self.reward,
+                                     draft_warmup_state=warmup_optimizer_state(self.warmstart_dir))
             self.module.engine = self.engine
             if self.strategy is not None:
                 self.strategy.connect(self.module)

@@ -37,7 +37,7 @@ from spectrain.tasks.draft_vocab import vocab_mapping_from_token_ids
 from spectrain.models.hf_io import load_pretrained, read_tensor, save_pretrained
 from spectrain.models.llama import LlamaForCausalLM
 from spectrain.parallel.plan import draft_inputs_from, ttt_valid_tokens
-from spectrain.train.draft_update import draft_update
+from spectrain.train.draft_update import draft_optimizer, draft_update
 from spectrain.batch import RolloutBatch, build_rollout_batch
 from spectrain.train.grpo import token_logprobs
 from spectrain.train.inputs import model_identity
@@ -209,7 +209,7 @@ def build_draft(config, policy: LlamaForCausalLM, source, tokenizer) -> Eagle3Dr
 
 
 def warm_up_draft(draft: Eagle3Draft, policy: LlamaForCausalLM, source, tokenizer, steps: int,
-                  batch_size: int, lr: float, ttt_passes: int, pass_decay: float, seed: int,
+                  batch_size: int, optimizer: torch.optim.Optimizer, ttt_passes: int, pass_decay: float, seed: int,
                   progress: bool = True) -> list[float]:
     """Offline TTT on teacher-forced task data, one `draft_update` per batch; the policy is frozen (no grad).
 
@@ -217,7 +217,6 @@ def warm_up_draft(draft: Eagle3Draft, policy: LlamaForCausalLM, source, tokenize
     warm-up does not depend on a key its cache is not keyed on.
     """
     rng = random.Random(f"draft-warmup:{seed}")
-    opt = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0)
     losses = []
     bar = tqdm(range(steps), desc="draft warm-up", disable=not progress, dynamic_ncols=True)
     for _ in bar:
@@ -225,7 +224,7 @@ def warm_up_draft(draft: Eagle3Draft, policy: LlamaForCausalLM, source, tokenize
         with torch.no_grad():
             out = policy(batch.input_ids, batch.position_ids, batch.cu_seqlens, tap_layers=draft.cfg.tap_layers)
         taps = draft_inputs_from(out, batch, policy.attention_ops, None, ttt_valid_tokens(batch))
-        update = draft_update(draft, opt, [taps], ttt_passes=ttt_passes, pass_decay=pass_decay, grad_clip=1.0)
+        update = draft_update(draft, optimizer, [taps], ttt_passes=ttt_passes, pass_decay=pass_decay, grad_clip=1.0)
         losses.append(update.loss)
         bar.set_postfix(loss=f"{losses[-1]:.3f}", top1=f"{update.metrics.accuracy[0].item():.2f}")
     return losses
@@ -238,9 +237,18 @@ def draft_cache_key(config) -> dict:
     change the warm-up, so runs that differ only in them share it.
     """
     draft_settings = {k: v for k, v in asdict(config.draft).items()
-                      if k in ("init", "path", "draft_vocab_size", "tap_layers", "lr", "warmup_steps", "ttt_passes",
-                               "pass_decay")}
+                      if k in ("init", "path", "draft_vocab_size", "tap_layers", "warmup_lr", "warmup_steps",
+                               "ttt_passes", "pass_decay")}
     return {"draft": draft_settings, **policy_cache_key(config)}
+
+
+WARMUP_OPTIMIZER = "optimizer.pt"  # the warm-up's AdamW state, beside the draft it trained
+
+
+def warmup_optimizer_state(cache_root: Path) -> dict | None:
+    """The draft warm-up's AdamW state (None without a warm-up): online co-training continues from its moments."""
+    path = cache_root / "draft" / WARMUP_OPTIMIZER
+    return torch.load(path, weights_only=True) if path.is_file() else None
 
 
 def build_and_warm_up_draft(config, policy: LlamaForCausalLM, source, tokenizer, cache_root: Path) -> Eagle3Draft:
@@ -250,12 +258,14 @@ def build_and_warm_up_draft(config, policy: LlamaForCausalLM, source, tokenizer,
     if cached(cache, key, "draft warm-up"):
         return load_draft(cache)
     draft = build_draft(config, policy, source, tokenizer)
-    losses = []
+    losses, optimizer = [], draft_optimizer(draft, d.warmup_lr)
     if d.warmup_steps > 0:
-        losses = warm_up_draft(draft, policy, source, tokenizer, d.warmup_steps, config.sft.batch_size, d.lr,
+        losses = warm_up_draft(draft, policy, source, tokenizer, d.warmup_steps, config.sft.batch_size, optimizer,
                                d.ttt_passes, d.pass_decay, config.trainer.seed, config.trainer.progress_bar)
     with writing_cache(cache) as scratch:
         export_draft(draft, scratch, policy.cfg)
+        if losses:
+            torch.save(optimizer.state_dict(), scratch / WARMUP_OPTIMIZER)
         (scratch / CACHE_META).write_text(json.dumps({"settings": key, "final_loss": losses[-1] if losses else None},
                                                      indent=2))
     return draft

@@ -14,14 +14,16 @@ def untrained_draft_loss(run_dir, config) -> float:
     """The draft's TTT loss at its initialisation (one warm-up step at lr 0) on the warm-started policy."""
     from spectrain.tasks.arithmetic import ArithmeticTask
     from spectrain.tasks.tokenizer import CharTokenizer
+    from spectrain.train.draft_update import draft_optimizer
     from spectrain.train.warm_start import build_draft, warm_up_draft
     from spectrain.models.hf_io import load_pretrained
 
     policy = load_pretrained(run_dir / "warmstart" / "policy")
     d, task = config.draft, ArithmeticTask(config.task.digits, config.task.operands)
-    [loss] = warm_up_draft(build_draft(config, policy, task, CharTokenizer()), policy, task, CharTokenizer(), steps=1,
-                           batch_size=config.sft.batch_size, lr=0.0, ttt_passes=d.ttt_passes, pass_decay=d.pass_decay,
-                           seed=0, progress=False)
+    draft = build_draft(config, policy, task, CharTokenizer())
+    [loss] = warm_up_draft(draft, policy, task, CharTokenizer(), steps=1, batch_size=config.sft.batch_size,
+                           optimizer=draft_optimizer(draft, lr=0.0), ttt_passes=d.ttt_passes,
+                           pass_decay=d.pass_decay, seed=0, progress=False)
     return loss
 
 

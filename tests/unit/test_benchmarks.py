@@ -120,22 +120,75 @@ def test_pp_overhead_is_paired_per_round():
     assert r["ratio_of_medians"] == pytest.approx(1.1 / 1.0 - 1)
 
 
-def test_drift_headline_ratios():
-    from benchmarks.drift import summarise
+def _drift_run(scenario, mode, acceptance, draft_s=math.nan, seed=0):
+    n = len(acceptance)
+    return {"scenario": scenario, "mode": mode, "seed": seed, "steps": n, "per_step": {
+        "step": list(range(n)), "spec/mean_acceptance_length": acceptance, "time/step": [2.0] * n,
+        "draft/seconds": [draft_s] * n, "reward": [0.5] * n, "drift/kl_to_warmstart": [0.01 * i for i in range(n)]}}
 
-    def history(acc, tok_s, draft_s):
-        return [{"step": i, "spec/mean_acceptance_length": acc, "rollout/tokens_per_s": tok_s, "time/step": 2.0,
-                 "draft/seconds": draft_s, "reward": 0.5} for i in range(4)]
 
-    runs = {"cotrained": history(3.0, 300.0, 0.5), "frozen": history(2.0, 240.0, math.nan),
-            "none": history(math.nan, 200.0, math.nan)}
-    summary = summarise({m: {"history": h, "warmstart_reward": 0.1, "final_reward": 0.2} for m, h in runs.items()})
-    h = summary["headline"]
-    assert h["acceptance_cotrained_over_frozen"] == pytest.approx(1.5)
-    assert h["rollout_speed_cotrained_over_none"] == pytest.approx(1.5)
-    assert h["rollout_speed_frozen_over_none"] == pytest.approx(1.2)
-    assert h["draft_share_of_step"] == pytest.approx(0.25)
-    assert summary["none"]["final_acceptance_length"] == 1.0
+def test_drift_compares_cotrained_with_frozen_per_seed_from_the_first_update_on():
+    from benchmarks.drift import summarise_scenario
+
+    runs = {"same_task/cotrained/seed0": _drift_run("same_task", "cotrained", [1.0] + [3.0] * 9, draft_s=0.5),
+            "same_task/frozen/seed0": _drift_run("same_task", "frozen", [3.0] + [2.0] * 9),
+            "same_task/cotrained/seed1": _drift_run("same_task", "cotrained", [3.0] * 10, draft_s=0.5, seed=1)}
+    s = summarise_scenario(runs, "same_task")
+    assert s["seeds"] == [0]  # seed 1 has no frozen run yet
+    assert s["acceptance_end"] == {"cotrained": 3.0, "frozen": 2.0}
+    assert s["cotrained_over_frozen_end"]["median"] == pytest.approx(1.5)
+    assert s["min_cotrained_over_frozen_after_first_update"] == pytest.approx(1.5)  # step 0 left out
+    assert s["min_cotrained_acceptance"] == pytest.approx(3.0)
+    assert s["draft_share_of_step"] == pytest.approx(0.25)
+    assert s["drift_end"]["drift/kl_to_warmstart"]["frozen"] == pytest.approx(0.09)
+    assert summarise_scenario(runs, "domain_shift") is None
+
+
+def test_drift_speed_is_the_spread_over_steps_after_the_first():
+    from benchmarks.drift import summarise_speed
+
+    per_step = lambda tok_s, step_s: {"rollout/tokens_per_s": tok_s, "time/step": step_s}  # noqa: E731
+    runs = {"deep/none/seed0": {"per_step": per_step([1.0, 100, 100, 100], [9.0, 2, 2, 2])},
+            "deep/cotrained/seed0": {"per_step": {**per_step([1.0, 150, 160, 170], [9.0, 1, 2, 3]),
+                                                  "draft/seconds": [0.1, 0.1, 0.2, 0.3],
+                                                  "spec/mean_acceptance_length": [2.0, 2.5, 3.0, 3.0]}}}
+    s = summarise_speed(runs)
+    assert s["cotrained"]["rollout_tokens_per_s"] == {"median": 160, "q1": 155, "q3": 165}
+    assert s["cotrained"]["draft_share_of_step"] == pytest.approx(0.1)
+    assert s["vs_none"]["cotrained"] == {"step_seconds": 1.0, "rollout_tokens_per_s": 1.6}
+    assert "frozen" not in s
+
+
+@pytest.mark.slow
+def test_drift_study_end_to_end_writes_after_every_run_and_resumes(tmp_path, capsys):
+    """Both scenarios, tiny: the second call keeps the finished same_task runs and adds the domain shift."""
+    import json
+
+    from tests.helpers import TINY
+
+    out, work = tmp_path / "out", tmp_path / "work"
+    common = ["steps=2", "speed_steps=0", f"out={out}", f"work={work}", *TINY]
+    assert cli.main(["bench", "drift", "scenarios=same_task", *common]) == 0
+    first = json.loads((out / "drift.json").read_text())
+    assert set(first["runs"]) == {"same_task/cotrained/seed0", "same_task/frozen/seed0"}
+    assert cli.main(["bench", "drift", "resume=true", *common]) == 0
+    assert "same_task/cotrained/seed0: in " in capsys.readouterr().out
+    data = json.loads((out / "drift.json").read_text())
+    assert set(data["summary"]["scenarios"]) == {"same_task", "domain_shift"}
+    assert data["runs"]["same_task/frozen/seed0"] == first["runs"]["same_task/frozen/seed0"]
+    for run in data["runs"].values():
+        per_step = run["per_step"]
+        assert per_step["step"] == [1, 2]  # trainer.global_step after each step
+        for key in ("drift/kl_to_warmstart", "drift/feature_shift", "drift/response_len", "reward", "time/step",
+                    "spec/mean_acceptance_length", "spec/pos_0_rate"):
+            assert all(math.isfinite(v) for v in per_step[key]), (run["scenario"], run["mode"], key)
+        assert per_step["drift/kl_to_warmstart"][1] > 0
+    assert all(math.isfinite(v) for v in data["runs"]["domain_shift/cotrained/seed0"]["per_step"]["draft/loss"])
+    shifted = json.loads((work / "warmstarts/domain_shift_seed0/home_task/draft/meta.json").read_text())
+    assert shifted["settings"]["task"]["digits"] == 2  # the draft never saw the RL task (3 digits)
+    for name in ("drift.md", "drift.png", "drift_policy.png"):
+        assert (out / name).is_file(), name
+    assert "domain_shift" in (out / "drift.md").read_text()
 
 
 def test_adaptive_live_buckets_cover_every_batch_size_once():

@@ -29,6 +29,9 @@ class Module(SimpleNamespace):
     def draft_optimizer(self):
         return self.draft_opt
 
+    def count_draft_update(self, update):
+        self.counted_updates += int(update.applied)
+
     teacher_dtype = torch.float32
 
 
@@ -41,7 +44,7 @@ def module_with_draft_inputs():
                                  Completion(0, [1, 4], [3, 3, 2], [0.0] * 3, True)], torch.tensor([1.0, -1.0]))
     out = policy(batch.input_ids, batch.position_ids, batch.cu_seqlens, tap_layers=draft.cfg.tap_layers)
     inputs = [draft_inputs_from(out, batch, policy.attention_ops, None, ttt_valid_tokens(batch))]
-    return Module(draft=draft, draft_inputs=inputs, plan=LocalPlan(), logged={},
+    return Module(draft=draft, draft_inputs=inputs, plan=LocalPlan(), logged={}, counted_updates=0,
                   draft_opt=torch.optim.SGD(draft.parameters(), lr=0.1))
 
 
@@ -51,6 +54,7 @@ def test_draft_cotraining_steps_the_draft():
     DraftCoTraining(ttt_passes=2).on_train_batch_end(trainer_at(1), module, None, None, 0)
     assert any(not torch.equal(a, b) for a, b in zip(before, module.draft.parameters()))
     assert module.logged["draft/skipped_steps"] == 0 and "draft/pass_2_top1" in module.logged
+    assert module.counted_updates == 1 and module.logged["draft/lr"] == 0.1  # the lr ramp advanced by the update
 
 
 def test_nan_guard_skips_the_draft_step():
@@ -61,6 +65,7 @@ def test_nan_guard_skips_the_draft_step():
     callback.on_train_batch_end(trainer_at(1), module, None, None, 0)
     assert all(torch.equal(a, b) for a, b in zip(before, module.draft.parameters()))
     assert callback.steps_skipped == 1 and module.logged["draft/skipped_steps"] == 1
+    assert module.counted_updates == 0  # a skipped update does not advance the lr ramp
     assert callback.state_dict() == {"steps_trained": 0, "steps_skipped": 1}
 
 

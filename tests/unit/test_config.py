@@ -109,7 +109,7 @@ def test_renamed_and_removed_keys_do_not_invalidate_what_an_older_spectrain_reco
     key = draft_cache_key(load_config())
     draft = key["draft"]
     recorded = {**key, "sft": {**key["sft"], "eval_prompts": 128},  # a draft warm-up cached before the renames
-                "draft": {"ttt_steps": draft["ttt_passes"], "aux_layer_ids": draft["tap_layers"], "lr": draft["lr"],
+                "draft": {"ttt_steps": draft["ttt_passes"], "aux_layer_ids": draft["tap_layers"], "warmup_lr": draft["warmup_lr"],
                           "pass_decay": draft["pass_decay"], "warmup_steps": draft["warmup_steps"],
                           **{k: draft[k] for k in ("init", "path", "draft_vocab_size")}}}
     assert upgrade_recorded_keys(recorded) == key
