@@ -61,7 +61,7 @@ def summarise(histories: dict[str, list[dict]]) -> dict:
             "acceptance_first_5": statistics.mean(acceptance[:5]),
             "acceptance_last_quarter": statistics.mean(acceptance[-max(1, len(acceptance) // 4):]),
             "min_acceptance_over_frozen": min(a / f for a, f in zip(acceptance, frozen)),
-            "draft_loss_first": loss[0] if loss else float("nan"),
+            "draft_loss_after_first_update": loss[1] if len(loss) > 1 else float("nan"),
             "draft_loss_max": max(loss, default=float("nan")),
         }
     return out
@@ -77,16 +77,16 @@ def write_report(out: Path, histories: dict, summary: dict, options: dict) -> No
                  ("draft loss (online updates)", {k: v for k, v in series("draft/loss").items()
                                                   if k != "frozen draft"})])
     rows = "\n".join(f"| {label} | {s['acceptance_first_5']:.2f} | {s['acceptance_last_quarter']:.2f} | "
-                     f"{s['min_acceptance_over_frozen']:.2f} | {s['draft_loss_first']:.3f} | {s['draft_loss_max']:.3f} |"
+                     f"{s['min_acceptance_over_frozen']:.2f} | {s['draft_loss_after_first_update']:.3f} | {s['draft_loss_max']:.3f} |"
                      for label, s in summary.items())
     (out / "draft_optimizer.md").write_text(f"""# Online draft optimizer options
 
 `spectrain bench draft_optimizer {' '.join(f'{k}={v}' for k, v in options.items())}` on {machine_label()}:
 {options['steps']} GRPO steps of the `{options['recipe']}` recipe per option, one shared warm start (policy SFT and
 draft warm-up at `draft.warmup_lr`), the same seeds. Acceptance is vLLM's mean acceptance length per step; the
-draft loss is that of each online update (none for the frozen draft).
+draft loss is each online update's, on its own step's rollout (none for the frozen draft).
 
-| option | acceptance, first 5 steps | acceptance, last quarter | min per-step acceptance / frozen | draft loss, first update | draft loss, max |
+| option | acceptance, first 5 steps | acceptance, last quarter | min per-step acceptance / frozen | draft loss after the first update | draft loss, max |
 |---|---|---|---|---|---|
 {rows}
 
