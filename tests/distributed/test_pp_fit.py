@@ -214,6 +214,9 @@ def test_fit_pp2_end_to_end(tmp_path):
     assert cli_main(["fit", "tiny_cpu", *overrides]) == 0
     rows = [r for r in metrics(run_dir) if r.get("policy/loss")]
     assert [int(r["step"]) for r in rows] == [0, 1, 2, 3]
-    for r in rows:  # measured: clip fraction 0.12, 0.04; engine_logprob_diff 1.8e-7, 1.6e-7
-        assert 0 < float(r["policy/clip_fraction"]) <= 1 and 0 < float(r["policy/engine_logprob_diff"]) < 1e-3, r
+    # the last stage's clip fraction reaches rank 0's logger: non-zero on some step (whether a given step's later
+    # updates clip depends on its samples; measured 0.12, 0.0, 0.04, ...)
+    assert any(float(r["policy/clip_fraction"]) > 0 for r in rows), rows
+    for r in rows:  # measured: engine_logprob_diff 1.8e-7, 1.6e-7
+        assert 0 <= float(r["policy/clip_fraction"]) <= 1 and 0 < float(r["policy/engine_logprob_diff"]) < 1e-3, r
         assert 0 <= float(r["reward"]) <= 1 and math.isfinite(float(r["draft/loss"])), r
