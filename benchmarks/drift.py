@@ -296,7 +296,7 @@ def markdown(payload: dict) -> str:
         for name, s in summary["scenarios"].items())
     text = f"""# Draft drift study: co-trained vs frozen over long GRPO runs
 
-`{payload['command']}` on {payload['machine']}.
+{" then ".join(f"`{c}`" for c in payload["commands"])} on {payload['machine']}.
 """
     if summary["scenarios"]:
         text += f"""
@@ -340,7 +340,10 @@ Against no draft (ratio of medians): {ratios or 'no `none` run yet'}.
 
 def write_report(out: Path, runs: dict, options: dict, command: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    payload = {"command": command, "machine": machine_label(), "options": options, "summary": summarise(runs),
+    # a study resumed with other options (e.g. more seeds) names every command that produced its runs
+    commands = list(dict.fromkeys([*(r["command"] for r in runs.values() if "command" in r), command]))
+    payload = {"command": command, "commands": commands, "machine": machine_label(), "options": options,
+               "summary": summarise(runs),
                "runs": runs}
     (out / "drift.json").write_text(json.dumps(payload) + "\n")
     write_plots(out, runs)
@@ -371,7 +374,7 @@ def main(args: list[str]) -> int:
             print(f"[bench drift] {run.key}: in {report} already, skipped")
             continue
         print(f"[bench drift] {run.key}: {run.steps} steps", flush=True)
-        runs[run.key] = run_one(options, overrides, run, work)
+        runs[run.key] = {**run_one(options, overrides, run, work), "command": command}
         write_report(out, runs, options, command)
     write_report(out, runs, options, command)
     print(json.dumps(summarise(runs), indent=2, default=str))
