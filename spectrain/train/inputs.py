@@ -110,8 +110,7 @@ def build_policy(config: SpecTrainConfig, tokenizer) -> LlamaForCausalLM:
         return LlamaForCausalLM(cfg)
     from spectrain.models.hf_io import load_pretrained
 
-    check_policy_path(config)
-    policy = load_pretrained(p.path, dtype=torch.float32)  # bf16 runs autocast over float32 master weights
+    policy = load_pretrained(p.path, dtype=torch.float32)  # its errors name policy.path  # bf16 runs autocast over float32 master weights
     check_vocab(policy.cfg.vocab_size, tokenizer.vocab_size)
     return policy
 
