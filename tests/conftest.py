@@ -3,6 +3,10 @@ import os
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# Triton reads this when a kernel is decorated: without a GPU the kernels run under the interpreter on CPU.
+# `scripts/gpu_check.sh` sets SPECTRAIN_REQUIRE_GPU=1 (and no interpreter): there they compile for real.
+if os.environ.get("SPECTRAIN_REQUIRE_GPU") != "1":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -10,6 +14,22 @@ import torch  # noqa: E402
 from spectrain.tasks.tokenizer import CharTokenizer  # noqa: E402
 from spectrain.models.hf_io import save_pretrained  # noqa: E402
 from tests.helpers import tiny_policy  # noqa: E402
+
+
+NO_GPU_REASON = ("needs a CUDA GPU and this machine has none (the same checks run on CPU under TRITON_INTERPRET=1; "
+                 "scripts/gpu_check.sh runs the gpu-marked tests on a GPU and fails on any skip)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu`-marked tests skip without CUDA, saying so; under SPECTRAIN_REQUIRE_GPU=1 a missing GPU is a failure."""
+    if torch.cuda.is_available():
+        return
+    if os.environ.get("SPECTRAIN_REQUIRE_GPU") == "1":
+        raise pytest.UsageError("SPECTRAIN_REQUIRE_GPU=1 but torch.cuda.is_available() is False: "
+                                "the GPU check needs a CUDA build of torch and a visible GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=NO_GPU_REASON))
 
 
 @pytest.fixture(scope="session")

@@ -10,12 +10,16 @@ DEFAULT_RECIPE = "tiny_cpu"
 
 
 POLICY_DTYPES = ("float32", "bfloat16")
+ATTENTION_BACKENDS = ("auto", "torch", "varlen", "flex", "triton", "flash_attn", "te")  # docs/gpu.md
+ROLLOUT_ENGINES = ("vllm", "torch")
+DRAFT_LOSS_KERNELS = ("auto", "torch", "chunked", "triton")
 
 
 @dataclass
 class PolicyConfig:
     path: str | None = None  # a local Hugging Face checkpoint directory; None: the toy policy below, built from scratch
     dtype: str = "float32"  # float32 | bfloat16 (bf16 mixed precision: float32 master weights and optimizer state)
+    attention_backend: str = "auto"  # auto | torch | varlen | flex | triton | flash_attn | te (docs/gpu.md)
     # the toy policy's architecture (ignored with `path`: the checkpoint's config.json decides)
     hidden_size: int = 128
     intermediate_size: int = 384
@@ -76,6 +80,7 @@ class SFTConfig:
 
 @dataclass
 class RolloutConfig:
+    engine: str = "vllm"  # vllm | torch (plain sampling on the trainer's device: no speculation; debugging, GPU checks)
     prompts_per_step: int = 16
     group_size: int = 8
     max_new_tokens: int = 24
@@ -121,6 +126,7 @@ class DraftConfig:
     grad_clip: float = 1.0
     every_n_steps: int = 1
     pass_decay: float = 0.8
+    loss_kernel: str = "auto"  # auto (triton on CUDA, else torch) | torch | chunked | triton: the draft's lm_head + soft CE
     warmup_steps: int = 0  # offline draft warm-up on the warm-started policy before RL
     check_alive: bool = True  # after each draft sync: acceptance must not collapse (see `collapse_ratio`)
     collapse_ratio: float = 0.5  # acceptance gain (length - 1) below this share of the recent median: check the drafter
@@ -137,6 +143,7 @@ class ParallelConfig:
     pp: int = 1
     pp_schedule: str = "1F1B"
     microbatches: int = 2
+    fsdp: bool = False  # shard the policy and the draft over dp (FSDP2 fully_shard): each rank keeps 1/dp of them
 
 
 @dataclass

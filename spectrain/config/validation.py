@@ -5,8 +5,8 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from spectrain.config.schema import (POLICY_DTYPES, PP_STAGES_PER_RANK, VLLM_KWARGS_SET_BY_SPECTRAIN,
-                                     SpecTrainConfig)
+from spectrain.config.schema import (ATTENTION_BACKENDS, DRAFT_LOSS_KERNELS, POLICY_DTYPES, PP_STAGES_PER_RANK,
+                                     ROLLOUT_ENGINES, VLLM_KWARGS_SET_BY_SPECTRAIN, SpecTrainConfig)
 from spectrain.errors import ConfigError
 from spectrain.tasks.rewards import REWARD_FNS
 
@@ -77,6 +77,7 @@ def _check_ranges(c: SpecTrainConfig) -> None:
 def _check_policy(c: SpecTrainConfig) -> None:
     p = c.policy
     _one_of(p.dtype, "policy.dtype", POLICY_DTYPES)
+    _one_of(p.attention_backend, "policy.attention_backend", ATTENTION_BACKENDS)
     _one_of(c.rollout.dtype, "rollout.dtype", ("auto", *POLICY_DTYPES))
     if p.path is not None:  # the checkpoint's config.json decides the architecture (checked when it is read)
         _require(bool(p.path.strip()), "policy.path", "is empty; give a Hugging Face model directory, or null for "
@@ -125,6 +126,7 @@ def _check_reward(c: SpecTrainConfig) -> None:
 
 def _check_rollout(c: SpecTrainConfig) -> None:
     r = c.rollout
+    _one_of(r.engine, "rollout.engine", ROLLOUT_ENGINES)
     _require(r.group_size >= 2, "rollout.group_size",
              f"is {r.group_size}; GRPO normalises rewards within a group, so it needs >= 2 samples per prompt")
     _require(r.eval_samples >= 2, "rollout.eval_samples",
@@ -158,6 +160,7 @@ def _check_draft(c: SpecTrainConfig) -> None:
     d, layers = c.draft, c.policy.num_hidden_layers
     _one_of(d.mode, "draft.mode", ("cotrained", "frozen", "none"))
     _one_of(d.init, "draft.init", ("scratch", "path"))
+    _one_of(d.loss_kernel, "draft.loss_kernel", DRAFT_LOSS_KERNELS)
     _require(d.init != "path" or bool(d.path), "draft.path",
              "draft.init=path needs draft.path=/path/to/eagle3_draft (a vLLM / SpecForge EAGLE-3 directory)")
     _require(d.draft_vocab_size is None or d.draft_vocab_size >= 1, "draft.draft_vocab_size",
