@@ -27,14 +27,16 @@ class DraftCoTraining(Callback):
         grad_clip: max global norm of the draft's gradients.
         ttt_passes: K, the training-time-test passes unrolled.
         pass_decay: weight `pass_decay**(d-1)` of pass d's loss.
+        loss_kernel: `draft.loss_kernel`, the implementation of the lm_head + soft CE.
     """
 
     def __init__(self, every_n_steps: int = 1, grad_clip: float = 1.0, ttt_passes: int = 3,
-                 pass_decay: float = 0.8) -> None:
+                 pass_decay: float = 0.8, loss_kernel: str = "auto") -> None:
         self.every_n_steps = every_n_steps
         self.grad_clip = grad_clip
         self.ttt_passes = ttt_passes
         self.pass_decay = pass_decay
+        self.loss_kernel = loss_kernel
         self.steps_trained = 0
         self.steps_skipped = 0
 
@@ -54,7 +56,8 @@ class DraftCoTraining(Callback):
             ttt_passes=self.ttt_passes, pass_decay=self.pass_decay, grad_clip=self.grad_clip,
             backward=pl_module.manual_backward,
             sum_over_ranks=lambda t: trainer.strategy.reduce(t, reduce_op="sum"),
-            reduce_gradients=pl_module.plan.reduce_gradients, share_dtype=pl_module.teacher_dtype)
+            reduce_gradients=pl_module.plan.reduce_gradients, share_dtype=pl_module.teacher_dtype,
+            loss_kernel=self.loss_kernel)
         lr = pl_module.draft_optimizer().param_groups[0]["lr"]  # the rate this update used
         pl_module.count_draft_update(update)
         if update.applied:

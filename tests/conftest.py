@@ -32,6 +32,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=NO_GPU_REASON))
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under SPECTRAIN_REQUIRE_GPU=1 a skipped check is a failure, unless its reason starts with "optional:"
+    (flash-attn / Transformer Engine not installed): the GPU check never passes by skipping."""
+    outcome = yield
+    report = outcome.get_result()
+    if os.environ.get("SPECTRAIN_REQUIRE_GPU") == "1" and report.skipped:
+        reason = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        if not reason.removeprefix("Skipped: ").startswith("optional:"):
+            report.outcome = "failed"
+            report.longrepr = f"skipped under SPECTRAIN_REQUIRE_GPU=1 (the GPU check allows no skip): {reason}"
+
+
 @pytest.fixture(scope="session")
 def tiny_policy_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("policy")

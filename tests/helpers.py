@@ -1,4 +1,4 @@
-"""What several test files share: the shrunken recipe, metric readers, a tiny policy."""
+"""What several test files share: the shrunken recipe, metric readers, a tiny policy, dense attention references."""
 import csv
 
 import torch
@@ -93,3 +93,52 @@ def write_hf_checkpoint(path, config, seed: int = 0, **save_kwargs):
             p.normal_(mean=1.0 if name.endswith("norm.weight") else 0.0, std=0.2 if p.dim() == 1 else 0.1)
     model.save_pretrained(path, **save_kwargs)
     return model.eval()
+
+
+def cu_of(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def dense_mask(lens_q: list[int], lens_k: list[int], causal: bool) -> torch.Tensor:
+    """Full [Tq, Tk] visibility mask, built explicitly (reference only)."""
+    mask = torch.zeros(sum(lens_q), sum(lens_k), dtype=torch.bool)
+    q0 = k0 = 0
+    for lq, lk in zip(lens_q, lens_k):
+        block = torch.ones(lq, lk, dtype=torch.bool)
+        mask[q0 : q0 + lq, k0 : k0 + lk] = block.tril() if causal else block
+        q0, k0 = q0 + lq, k0 + lk
+    return mask
+
+
+def dense_attention(q, k, v, mask, scale=None):
+    """Reference (out, lse) by the textbook formula; rows with no visible key: 0, -inf."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q, k) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    safe_lse = torch.where(lse == float("-inf"), 0.0, lse)
+    p = torch.where(mask, torch.exp(s - safe_lse.unsqueeze(-1)), 0.0)
+    return torch.einsum("hqk,khd->qhd", p, v), lse.transpose(0, 1)
+
+
+def staircase_mask(lengths: list[int], n_pass: int) -> torch.Tensor:
+    """[T, d*T] TTT mask: causal per document over pass-1 keys, then one diagonal per pass."""
+    t = sum(lengths)
+    trunk = torch.zeros(t, t, dtype=torch.bool)
+    start = 0
+    for n in lengths:
+        trunk[start : start + n, start : start + n] = torch.ones(n, n, dtype=torch.bool).tril()
+        start += n
+    return torch.cat([trunk] + [torch.eye(t, dtype=torch.bool)] * (n_pass - 1), dim=1)
+
+
+def dense_ttt(q, keys, values, mask, scale=None):
+    """TTT reference: plain masked softmax attention over all passes' keys concatenated."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    group = q.shape[1] // keys[0].shape[1]
+    k = torch.cat(keys).repeat_interleave(group, dim=1)
+    v = torch.cat(values).repeat_interleave(group, dim=1)
+    s = (torch.einsum("qhd,khd->hqk", q, k) * scale).masked_fill(~mask, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v)

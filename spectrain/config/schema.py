@@ -143,7 +143,7 @@ class ParallelConfig:
     pp: int = 1
     pp_schedule: str = "1F1B"
     microbatches: int = 2
-    fsdp: bool = False  # shard the policy and the draft over dp (FSDP2 fully_shard): each rank keeps 1/dp of them
+    fsdp: bool = False  # shard the policy and the draft over dp (FSDP2 fully_shard): each rank keeps 1/(dp x cp) of them
 
 
 @dataclass

@@ -124,9 +124,26 @@ def _check_reward(c: SpecTrainConfig) -> None:
     _require(r.timeout_s > 0, "reward.timeout_s", f"is {r.timeout_s}; give seconds > 0")
 
 
+def _check_torch_engine(c: SpecTrainConfig) -> None:
+    """`rollout.engine=torch` never speculates: what tunes vLLM's speculation or vLLM itself has nothing to act on.
+    (The draft's alive check and acceptance logging see zero drafts and skip: no need to turn them off.)"""
+    s, r = c.speculation, c.rollout
+    fix = "or use rollout.engine=vllm"
+    _require(s.mode not in ("concurrency", "bandit"), "speculation.mode", f"'{s.mode}' adapts the engine's "
+             f"speculation depth, but rollout.engine=torch does not speculate; set speculation.mode=fixed {fix}")
+    _require(not s.long_tail.enabled, "speculation.long_tail.enabled", f"spot training runs in vLLM's step loop, "
+             f"which rollout.engine=torch does not have; set speculation.long_tail.enabled=false {fix}")
+    _require(not r.vllm_kwargs, "rollout.vllm_kwargs", f"{dict(r.vllm_kwargs)} would be ignored by "
+             f"rollout.engine=torch (they are vllm.LLM arguments); drop them {fix}")
+    _require(r.tensor_parallel_size == 1, "rollout.tensor_parallel_size", f"is {r.tensor_parallel_size}, but "
+             f"rollout.engine=torch runs on one device; set it to 1 {fix}")
+
+
 def _check_rollout(c: SpecTrainConfig) -> None:
     r = c.rollout
     _one_of(r.engine, "rollout.engine", ROLLOUT_ENGINES)
+    if r.engine == "torch":
+        _check_torch_engine(c)
     _require(r.group_size >= 2, "rollout.group_size",
              f"is {r.group_size}; GRPO normalises rewards within a group, so it needs >= 2 samples per prompt")
     _require(r.eval_samples >= 2, "rollout.eval_samples",
@@ -178,9 +195,15 @@ def _check_draft(c: SpecTrainConfig) -> None:
 
 
 def _check_parallel(c: SpecTrainConfig) -> None:
-    _one_of(c.parallel.pp_schedule, "parallel.pp_schedule", tuple(PP_STAGES_PER_RANK))
-    if c.parallel.pp > 1:
+    par = c.parallel
+    _one_of(par.pp_schedule, "parallel.pp_schedule", tuple(PP_STAGES_PER_RANK))
+    if par.pp > 1:
         _check_pipeline(c)
+    if par.fsdp:
+        _require(par.pp == 1, "parallel.fsdp", f"sharding does not compose with pipeline stages here (parallel.pp="
+                 f"{par.pp}); set parallel.pp=1 (shard over parallel.dp x parallel.cp) or parallel.fsdp=false")
+        _require(par.dp * par.cp > 1, "parallel.fsdp", "shards over the parallel.dp x parallel.cp ranks, but both are "
+                 "1: there is nothing to shard over; raise parallel.dp (or parallel.cp), or set parallel.fsdp=false")
 
 
 def _check_speculation(c: SpecTrainConfig) -> None:

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -32,6 +31,7 @@ from spectrain.models.llama import (
     default_tap_layers,
     rope_cos_sin,
 )
+from spectrain.ops.draft_loss import DEFAULT_CHUNK, dense_soft_ce_top1, draft_soft_ce_top1
 from spectrain.ops.ttt_attention import ttt_attention
 from spectrain.tasks.draft_vocab import build_vocab_mapping
 
@@ -182,6 +182,7 @@ class Eagle3Draft(nn.Module):
         num_steps: int,
         ops=None,
         shift_fn: ShiftFn | None = None,
+        normed_hidden: bool = False,
     ) -> list[torch.Tensor]:
         """TTT unroll: draft logits `[T, draft_vocab]` for passes 1..num_steps.
 
@@ -196,6 +197,9 @@ class Eagle3Draft(nn.Module):
             ops: attention ops of the causal trunk (local, or ring under CP).
             shift_fn: document-local shift (`shift_within_docs`; CP passes its boundary
                 exchanging version).
+            normed_hidden: return the final-normed hidden states `[T, H]` instead of the
+                logits, for `ttt_loss(..., lm_head=self.lm_head.weight)` to apply the head
+                chunk by chunk (the logits are the largest tensors of a draft update).
 
         Pass d at anchor i takes `cat(input_layernorm(e(x_{i+d})), hidden_norm(h^{d-1}_i))`
         at RoPE position `pos_i + d - 1`, with `h^0 = fc(cat(aux))` and `h^d` the midlayer
@@ -209,7 +213,7 @@ class Eagle3Draft(nn.Module):
         assert num_steps >= 1, num_steps
         embeds = embeds.detach().to(self.fc.weight.dtype)
         hidden = self.combine_aux(tap_hidden)
-        keys, values, logits = [], [], []
+        keys, values, outputs = [], [], []
         for d in range(1, num_steps + 1):
             next_embeds = shift_fn(embeds, cu_seqlens, d, 0.0)
             cos, sin = rope_cos_sin(position_ids + (d - 1), cfg.head_dim, cfg.rope_theta, embeds.dtype)
@@ -220,8 +224,9 @@ class Eagle3Draft(nn.Module):
             attn = ttt_attention(q, keys, values, cu_seqlens, ops=ops)
             residual = hidden + mid.self_attn.o_proj(attn.reshape(t, -1))
             hidden = residual + mid.mlp(mid.post_attention_layernorm(residual))
-            logits.append(self.lm_head(self.norm(hidden)))
-        return logits
+            normed = self.norm(hidden)
+            outputs.append(normed if normed_hidden else self.lm_head(normed))
+        return outputs
 
     def combine_aux(self, tap_hidden: Sequence[torch.Tensor]) -> torch.Tensor:
         """`fc(cat(aux))`, vLLM's `combine_hidden_states`: the draft's pass-1 hidden `[T, H]`."""
@@ -267,7 +272,7 @@ class TTTMetrics:
 
 
 def ttt_loss(
-    draft_logits: Sequence[torch.Tensor],
+    draft_outputs: Sequence[torch.Tensor],
     teacher_logits: torch.Tensor,
     response_mask: torch.Tensor,
     cu_seqlens: torch.Tensor,
@@ -275,6 +280,9 @@ def ttt_loss(
     pass_decay: float = 0.8,
     num_valid_tokens: torch.Tensor | float | None = None,
     shift_fn: ShiftFn | None = None,
+    lm_head: torch.Tensor | None = None,
+    loss_kernel: str = "auto",
+    chunk: int = DEFAULT_CHUNK,
 ) -> tuple[torch.Tensor, TTTMetrics]:
     """Soft cross-entropy of each pass against the policy, restricted to the draft vocab.
 
@@ -286,38 +294,41 @@ def ttt_loss(
     under DP/CP pass the all-reduced count so that summed gradients are the global mean.
 
     Args:
-        draft_logits: K tensors `[T, Vd]` from `Eagle3Draft.forward`.
-        teacher_logits: policy logits `[T, V]`; detached here.
+        draft_outputs: K tensors from `Eagle3Draft.forward`: the logits `[T, Vd]` (scored
+            densely), or with `lm_head` the normed hidden states `[T, H]` (`normed_hidden=True`).
+        teacher_logits: policy logits `[T, V]`; detached here, shifted in their own dtype
+            (bf16 stays bf16) and upcast per pass by the dense path, per chunk by the others.
         response_mask: `[T]`, nonzero where position t predicts a response token.
         t2d: bool `[V]`, the draft vocabulary.
+        lm_head: the draft's `lm_head.weight` `[Vd, H]`, applied by `draft_soft_ce_top1`
+            with `loss_kernel` (`draft.loss_kernel`) and `chunk` rows at a time.
     """
     shift_fn = shift_fn or shift_within_docs
     t, vocab = teacher_logits.shape
-    assert len(draft_logits) >= 1, "no TTT pass to score"
+    assert len(draft_outputs) >= 1, "no TTT pass to score"
     assert response_mask.shape == (t,), (response_mask.shape, t)
     assert t2d.shape == (vocab,) and t2d.dtype == torch.bool, (t2d.shape, t2d.dtype)
     used = torch.nonzero(t2d).flatten()  # draft id -> target id
-    teacher = teacher_logits.detach().to(torch.promote_types(teacher_logits.dtype, torch.float32))
+    teacher = teacher_logits.detach()
     restricted = teacher if used.numel() == vocab else teacher[:, used]
-    # One shift per pass: teacher probabilities, validity and policy top-1 travel together
+    # Validity and the policy's top-1 (over the full vocab) travel together, one shift per pass
     # (target ids are exact in float32 below 2**24).
-    packed = torch.cat([
-        F.softmax(restricted, dim=-1),
-        (response_mask != 0).float()[:, None],
-        teacher.argmax(-1).float()[:, None],
-    ], dim=-1)
-    total = teacher.new_zeros(())
+    policy = torch.stack([(response_mask != 0).float(), teacher.argmax(-1).float()], dim=-1)
+    total = 0.0
     loss_sum, correct, count = [], [], []
-    for d, logits in enumerate(draft_logits, start=1):
-        assert logits.shape == (t, used.numel()), (logits.shape, t, used.numel())
-        shifted = shift_fn(packed, cu_seqlens, d, 0.0)
-        target_p, valid, policy_top1 = shifted[:, :-2], shifted[:, -2] > 0.5, shifted[:, -1].long()
-        ce = -(target_p * F.log_softmax(logits.to(teacher.dtype), dim=-1)).sum(-1)
-        ce = torch.where(valid, ce, 0.0)
+    for d, out in enumerate(draft_outputs, start=1):
+        shifted = shift_fn(policy, cu_seqlens, d, 0.0)
+        valid, policy_top1 = shifted[:, 0] > 0.5, shifted[:, 1].long()
+        target = shift_fn(restricted, cu_seqlens, d, 0.0)
+        if lm_head is None:
+            assert out.shape == (t, used.numel()), (out.shape, t, used.numel())
+            ce, top1 = dense_soft_ce_top1(out, target, valid)
+        else:
+            ce, top1 = draft_soft_ce_top1(out, lm_head, target, valid, impl=loss_kernel, chunk=chunk)
         if d == 1 and num_valid_tokens is None:
             num_valid_tokens = valid.sum().clamp(min=1)
         total = total + pass_decay ** (d - 1) * ce.sum()
-        agree = (used[logits.detach().argmax(-1)] == policy_top1) & valid
+        agree = (used[top1] == policy_top1) & valid
         loss_sum.append(ce.detach().sum())
         correct.append(agree.sum().float())
         count.append(valid.sum().float())

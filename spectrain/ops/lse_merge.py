@@ -34,12 +34,18 @@ def merge_attn(
     instead of exponentials of differences, which overflow. Rows with ``lse = -inf``
     (no visible key) on either side take the other side unchanged; the sigmoid terms
     only ever see finite arguments, so neither the forward nor the backward makes NaN.
+    On CUDA the merge of two tensors runs as one Triton kernel each way
+    (``spectrain.kernels.lse_merge_triton``, the same formulas).
     """
     if (out is None) != (lse is None):
         raise ValueError("out and lse must both be None or both be tensors")
     if out is None:
         dtype = _acc_dtype(block_out, block_lse)
         return block_out.to(dtype), block_lse.to(dtype)
+    if block_out.is_cuda:
+        from spectrain.kernels.lse_merge_triton import triton_merge_attn  # Triton: only needed on the GPU
+
+        return triton_merge_attn(out, lse, block_out, block_lse)
     assert out.shape == block_out.shape and out.dim() == 3, (out.shape, block_out.shape)
     assert lse.shape == block_lse.shape == out.shape[:2], (lse.shape, block_lse.shape)
 

@@ -5,7 +5,8 @@ document plus one diagonal key per earlier pass ``p = 2..d`` at the same anchor 
 The trunk goes through ``ops`` (local attention, or ring attention under context
 parallel); the ``d - 1`` diagonal keys are a per-row softmax in closed form, merged into
 the trunk by log-sum-exp. Memory is ``O(T * d)``: the ``[T, d * T]`` staircase mask of the
-dense formulation never exists.
+dense formulation never exists. Ops with a fused ``ttt_forward`` / ``ttt_backward`` (the Triton
+kernels) take both parts in one online softmax instead; ring ops never have them.
 """
 
 import torch
@@ -52,21 +53,45 @@ def _branch_backward(dout, q, keys, values, out, lse, scale):
     return dq, dk, dv
 
 
+def _trunk_and_branch_forward(q, keys, values, cu_seqlens, scale, ops):
+    """The trunk through ``ops`` (local or ring), the diagonal keys in closed form, merged by LSE."""
+    out, lse = ops.forward(q, keys[0], values[0], cu_seqlens, cu_seqlens, True, scale)
+    if len(keys) > 1:
+        cdt, n_kv = lse.dtype, keys[0].shape[1]
+        out_b, lse_b = _branch_forward(
+            _grouped(q.to(cdt), n_kv),
+            torch.stack(keys[1:]).to(cdt),
+            torch.stack(values[1:]).to(cdt),
+            scale,
+        )
+        out, lse = merge_attn(out, lse, out_b.flatten(1, 2), lse_b.flatten(1, 2))
+        out = out.to(q.dtype)
+    return out, lse
+
+
+def _trunk_and_branch_backward(dout, q, keys, values, out, lse, cu_seqlens, scale, ops):
+    dq, dk0, dv0 = ops.backward(
+        dout, q, keys[0], values[0], out, lse, cu_seqlens, cu_seqlens, True, scale
+    )
+    dks, dvs = [dk0], [dv0]
+    if len(keys) > 1:
+        dq_b, dk_b, dv_b = _branch_backward(
+            dout, q, torch.stack(keys[1:]), torch.stack(values[1:]), out, lse, scale
+        )
+        dq = (dq.to(dq_b.dtype) + dq_b.flatten(1, 2)).to(q.dtype)
+        dks += [g.to(k.dtype) for g, k in zip(dk_b.unbind(0), keys[1:])]
+        dvs += [g.to(v.dtype) for g, v in zip(dv_b.unbind(0), values[1:])]
+    return dq, dks, dvs
+
+
 class _TTTAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, cu_seqlens, scale, ops, n_pass, *kv):
         keys, values = kv[:n_pass], kv[n_pass:]
-        out, lse = ops.forward(q, keys[0], values[0], cu_seqlens, cu_seqlens, True, scale)
-        if n_pass > 1:
-            cdt, n_kv = lse.dtype, keys[0].shape[1]
-            out_b, lse_b = _branch_forward(
-                _grouped(q.to(cdt), n_kv),
-                torch.stack(keys[1:]).to(cdt),
-                torch.stack(values[1:]).to(cdt),
-                scale,
-            )
-            out, lse = merge_attn(out, lse, out_b.flatten(1, 2), lse_b.flatten(1, 2))
-            out = out.to(q.dtype)
+        if hasattr(ops, "ttt_forward"):  # trunk and branch in one fused kernel
+            out, lse = ops.ttt_forward(q, list(keys), list(values), cu_seqlens, scale)
+        else:
+            out, lse = _trunk_and_branch_forward(q, keys, values, cu_seqlens, scale, ops)
         ctx.save_for_backward(q, cu_seqlens, out, lse, *kv)
         ctx.scale, ctx.ops, ctx.n_pass = scale, ops, n_pass
         return out
@@ -75,17 +100,14 @@ class _TTTAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, cu_seqlens, out, lse, *kv = ctx.saved_tensors
         keys, values = kv[: ctx.n_pass], kv[ctx.n_pass :]
-        dq, dk0, dv0 = ctx.ops.backward(
-            dout, q, keys[0], values[0], out, lse, cu_seqlens, cu_seqlens, True, ctx.scale
-        )
-        dks, dvs = [dk0], [dv0]
-        if ctx.n_pass > 1:
-            dq_b, dk_b, dv_b = _branch_backward(
-                dout, q, torch.stack(keys[1:]), torch.stack(values[1:]), out, lse, ctx.scale
+        if hasattr(ctx.ops, "ttt_backward"):
+            dq, dks, dvs = ctx.ops.ttt_backward(
+                dout, q, list(keys), list(values), out, lse, cu_seqlens, ctx.scale
             )
-            dq = (dq.to(dq_b.dtype) + dq_b.flatten(1, 2)).to(q.dtype)
-            dks += [g.to(k.dtype) for g, k in zip(dk_b.unbind(0), keys[1:])]
-            dvs += [g.to(v.dtype) for g, v in zip(dv_b.unbind(0), values[1:])]
+        else:
+            dq, dks, dvs = _trunk_and_branch_backward(
+                dout, q, keys, values, out, lse, cu_seqlens, ctx.scale, ctx.ops
+            )
         return dq, None, None, None, None, *dks, *dvs
 
 

@@ -4,7 +4,8 @@ One process per mesh rank, started by torchrun (`spectrain fit ... parallel.cp=N
 itself). The module is not wrapped: the plan (`GRPOModule.plan`) owns every collective of
 a step (sharding, ring attention, gradient reduction). Lightning gets ranks, barrier,
 broadcast, reduce (for logged sums) and checkpoints from it; under dp x cp every rank holds
-the whole model, so rank 0 writes a plain single-file checkpoint.
+the whole model, so rank 0 writes a plain single-file checkpoint (under parallel.fsdp the
+shards are gathered to rank 0 for it, in the same format).
 """
 from __future__ import annotations
 
@@ -126,11 +127,16 @@ class SpecParallelStrategy(ParallelStrategy):
         return self._plan
 
     def build_plan(self):
-        """The `TrainPlan` for this mesh: `PipelinePlan` for pp > 1, else `ContextParallelPlan`."""
+        """The `TrainPlan` for this mesh: `PipelinePlan` for pp > 1, `FullyShardedPlan` under parallel.fsdp, else
+        `ContextParallelPlan`."""
         if self.parallel.pp > 1:
             from spectrain.parallel.pp.plan import PipelinePlan
 
             return PipelinePlan(self.mesh, self.parallel.pp_schedule, self.parallel.microbatches)
+        if self.parallel.fsdp:
+            from spectrain.parallel.fsdp import FullyShardedPlan
+
+            return FullyShardedPlan(self.mesh)
         from spectrain.parallel.cp.plan import ContextParallelPlan
 
         return ContextParallelPlan(self.mesh)
@@ -183,18 +189,54 @@ class SpecParallelStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        self._attach_plan(self.lightning_module)  # again: a restored checkpoint is rank 0's on every replica
+        self.shard_model()  # after that sync, before the optimizers see the parameters
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting:
             optimizers_to_device(self.optimizers, self.root_device)
-        self._attach_plan(self.lightning_module)  # again: a restored checkpoint is rank 0's on every replica
 
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
+
+    # parallel.fsdp: sharded policy and draft ---------------------------------------------
+    def shard_model(self) -> None:
+        """Under parallel.fsdp: shard the policy and the draft (bf16 compute under Lightning's bf16 precision)."""
+        if self.parallel.fsdp:
+            bf16 = str(getattr(self.precision_plugin, "precision", "32-true")).startswith("bf16")
+            self.plan.shard_modules(self.lightning_module, torch.bfloat16 if bf16 else None)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The full state dict on rank 0 (gathered shard by shard under parallel.fsdp; only rank 0 writes it)."""
+        if not self.parallel.fsdp:
+            return super().lightning_module_state_dict()
+        from spectrain.parallel.fsdp import gathered_state_dict
+
+        return gathered_state_dict(self.lightning_module, keep=self.is_global_zero)
+
+    @override
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        """Under parallel.fsdp the unsharded format, gathered on rank 0: a checkpoint resumes with or without fsdp."""
+        if not self.parallel.fsdp:
+            return super().optimizer_state(optimizer)
+        from spectrain.parallel.fsdp import gathered_optimizer_state
+
+        return gathered_optimizer_state(getattr(optimizer, "_optimizer", optimizer), keep=self.is_global_zero)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        """Every rank reads the full state; under parallel.fsdp each keeps its parameters' shards of it."""
+        super().load_optimizer_state_dict(checkpoint)
+        if self.parallel.fsdp:
+            from spectrain.parallel.fsdp import shard_optimizer_state
+
+            for optimizer in self.optimizers:
+                shard_optimizer_state(optimizer)
 
     @override
     def barrier(self, name: str | None = None) -> None:

@@ -24,21 +24,24 @@ class DraftUpdate:
 
 
 def draft_loss(draft: Eagle3Draft, chunks: Sequence[DraftInputs], ttt_passes: int,
-               pass_decay: float) -> tuple[torch.Tensor, TTTMetrics]:
+               pass_decay: float, loss_kernel: str = "auto") -> tuple[torch.Tensor, TTTMetrics]:
     """TTT loss over the chunks one policy forward left (one, or one per PP microbatch).
 
     Each chunk's loss is already divided by the global valid-token count, so the sum is the
     update's loss; the chunk carries the attention ops and shift of its layout (ring +
-    boundary exchange under CP).
+    boundary exchange under CP). The draft returns normed hidden states and `loss_kernel`
+    (`draft.loss_kernel`) applies the lm_head with the loss, without whole-batch logits where
+    it is `chunked` or `triton`.
     """
     assert chunks, "no taps to train the draft on"
     total, metrics = None, None
     for chunk in chunks:
         b = chunk.batch
-        logits = draft(chunk.embeds, chunk.tap_hidden, b.position_ids, b.cu_seqlens, ttt_passes,
-                       ops=chunk.attention_ops, shift_fn=chunk.shift_fn)
-        loss, m = ttt_loss(logits, chunk.teacher_logits, b.response_mask, b.cu_seqlens, draft.t2d, pass_decay,
-                           num_valid_tokens=chunk.num_valid_tokens, shift_fn=chunk.shift_fn)
+        hidden = draft(chunk.embeds, chunk.tap_hidden, b.position_ids, b.cu_seqlens, ttt_passes,
+                       ops=chunk.attention_ops, shift_fn=chunk.shift_fn, normed_hidden=True)
+        loss, m = ttt_loss(hidden, chunk.teacher_logits, b.response_mask, b.cu_seqlens, draft.t2d, pass_decay,
+                           num_valid_tokens=chunk.num_valid_tokens, shift_fn=chunk.shift_fn,
+                           lm_head=draft.lm_head.weight, loss_kernel=loss_kernel)
         total = loss if total is None else total + loss
         metrics = m if metrics is None else TTTMetrics(metrics.loss_sum + m.loss_sum, metrics.correct + m.correct,
                                                          metrics.count + m.count)
@@ -65,7 +68,7 @@ def draft_update(draft: Eagle3Draft, optimizer: torch.optim.Optimizer, chunks: S
                  backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
                  sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] = _same_everywhere,
                  reduce_gradients: Callable[[torch.nn.Module], None] | None = None,
-                 share_dtype: torch.dtype = torch.float32) -> DraftUpdate:
+                 share_dtype: torch.dtype = torch.float32, loss_kernel: str = "auto") -> DraftUpdate:
     """One optimizer step of the draft on `chunks` (the policy's detached taps and teacher logits).
 
     A non-finite loss or gradient norm skips the step and leaves the draft and its optimizer
@@ -73,10 +76,11 @@ def draft_update(draft: Eagle3Draft, optimizer: torch.optim.Optimizer, chunks: S
     chunks (none where the draft does not live, e.g. the first PP stages: they add zeros of
     `share_dtype` so every rank runs the same collectives), `sum_over_ranks` adds the shares
     so every rank takes the same skip decision, and `reduce_gradients` makes the gradients
-    the single-process ones before clipping.
+    the single-process ones before clipping. `loss_kernel` is `draft.loss_kernel`.
     """
     hosts = bool(chunks)
-    loss, metrics = draft_loss(draft, chunks, ttt_passes, pass_decay) if hosts else _zero_share(ttt_passes, share_dtype)
+    loss, metrics = (draft_loss(draft, chunks, ttt_passes, pass_decay, loss_kernel) if hosts
+                     else _zero_share(ttt_passes, share_dtype))
     total = sum_over_ranks(loss.detach().clone())
     metrics = TTTMetrics(*(sum_over_ranks(t) for t in (metrics.loss_sum, metrics.correct, metrics.count)))
     optimizer.zero_grad(set_to_none=True)

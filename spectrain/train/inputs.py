@@ -115,6 +115,29 @@ def build_policy(config: SpecTrainConfig, tokenizer) -> LlamaForCausalLM:
     return policy
 
 
+def _attention_half_dtype(config: SpecTrainConfig) -> torch.dtype | None:
+    """What the 16-bit attention kernels compute a bf16 run's float32 q/k/v in (None: a float32 run)."""
+    return torch.bfloat16 if config.policy.dtype == "bfloat16" else None
+
+
+def attention_backend(config: SpecTrainConfig) -> dict[str, str]:
+    """`policy.attention_backend` checked for the trainer's device at start-up (a backend that cannot run there
+    is a ConfigError now, not at the first step), and what it runs there (`auto` resolved)."""
+    from spectrain.ops.backends import check_attention_backend
+    from spectrain.rollout.torch_engine import resolve_device
+
+    name, device = config.policy.attention_backend, resolve_device(config.trainer.accelerator).type
+    return {"configured": name, "device": device,
+            "resolved": check_attention_backend(name, device, _attention_half_dtype(config))}
+
+
+def policy_attention_ops(config: SpecTrainConfig):
+    """The ops object of `policy.attention_backend`: the policy's attention and its draft's TTT trunk."""
+    from spectrain.ops.backends import build_attention_ops
+
+    return build_attention_ops(config.policy.attention_backend, _attention_half_dtype(config))
+
+
 def check_vocab(model_vocab: int, tokenizer_vocab: int) -> None:
     """A model may pad its vocabulary beyond the tokenizer's (ids it never sees), never the other way round."""
     if tokenizer_vocab > model_vocab:

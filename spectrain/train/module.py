@@ -21,6 +21,7 @@ from typing_extensions import override
 
 from spectrain.config import SpecTrainConfig
 from spectrain.models.llama import LlamaForCausalLM
+from spectrain.parallel.fsdp import shard_optimizer_state
 from spectrain.parallel.plan import DraftInputs, LocalPlan, TrainPlan, ttt_valid_tokens
 from spectrain.batch import RolloutBatch, build_rollout_batch
 from spectrain.train.grpo import group_advantages, grpo_loss, minibatch_documents, token_logprobs
@@ -88,6 +89,7 @@ class GRPOModule(L.LightningModule):
         if d.carry_warmup_optimizer and self.draft_warmup_state is not None:
             # the warm-up's moments: the first online updates are then not full-size sign steps of a fresh Adam
             draft_opt.load_state_dict(self.draft_warmup_state)
+            shard_optimizer_state(draft_opt)  # parallel.fsdp: the warm-up's full moments, cut to this rank's shards
             for group in draft_opt.param_groups:
                 group["lr"] = d.lr
         ramp = torch.optim.lr_scheduler.LambdaLR(draft_opt, lambda u: min(1.0, (u + 1) / (d.lr_ramp_updates + 1)))
@@ -186,7 +188,8 @@ class GRPOModule(L.LightningModule):
 
         def spot_update() -> DraftUpdate:
             update = draft_update(self.draft, self.draft_optimizer(), self.draft_inputs, ttt_passes=d.ttt_passes,
-                                  pass_decay=d.pass_decay, grad_clip=d.grad_clip, backward=self.manual_backward)
+                                  pass_decay=d.pass_decay, grad_clip=d.grad_clip, backward=self.manual_backward,
+                                  loss_kernel=d.loss_kernel)
             self.count_draft_update(update)
             return update
 

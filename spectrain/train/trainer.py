@@ -27,6 +27,7 @@ from spectrain.models.llama import LlamaForCausalLM
 from spectrain.train import inputs
 from spectrain.train.module import GRPOModule
 from spectrain.train.run_dir import RunDir, drop_logged_steps
+from spectrain.parallel.fsdp import unsharded_copy
 from spectrain.parallel.mesh import world_size
 from spectrain.rollout.engine import RolloutEngine
 from spectrain.train.warm_start import (cached, policy_cache_key, sft_enabled, warm_start_policy,
@@ -138,17 +139,23 @@ class SpecTrainer:
 
     def build_rollout_engine(self, policy_dir: Path, draft_dir: Path | None) -> RolloutEngine:
         """The vLLM engine; adaptive speculation modes start it able to change `k` at runtime, with a
-        verify budget measured first if the run has none."""
+        verify budget measured first if the run has none. `rollout.engine=torch`: the plain torch
+        sampler on the trainer's device (never imports vLLM)."""
+        r, d = self.config.rollout, self.config.draft
+        dtype = r.dtype if r.dtype != "auto" else self.config.policy.dtype
+        if r.engine == "torch":
+            from spectrain.rollout.torch_engine import TorchSamplingEngine, resolve_device
+
+            return TorchSamplingEngine(policy_dir, resolve_device(self.config.trainer.accelerator), dtype,
+                                       r.max_model_len, eos_token_ids=[self.tokenizer.eos_id])
         from spectrain.rollout.speculation.calibration import ensure_verify_budget
         from spectrain.rollout.speculation.controllers import engine_spec_schedule
         from spectrain.rollout.vllm.engine import VLLMRolloutEngine
 
         ensure_verify_budget(self.config, policy_dir, self.run_dir)
-        r, d = self.config.rollout, self.config.draft
         return VLLMRolloutEngine(policy_dir, draft_dir, num_speculative_tokens=d.num_speculative_tokens,
                                  spec_schedule=engine_spec_schedule(self.config), max_model_len=r.max_model_len,
-                                 kv_cache_gib=r.kv_cache_gib, seed=self.config.trainer.seed,
-                                 dtype=r.dtype if r.dtype != "auto" else self.config.policy.dtype,
+                                 kv_cache_gib=r.kv_cache_gib, seed=self.config.trainer.seed, dtype=dtype,
                                  gpu_memory_utilization=r.gpu_memory_utilization,
                                  tensor_parallel_size=r.tensor_parallel_size, vllm_kwargs=dict(r.vllm_kwargs))
 
@@ -166,6 +173,8 @@ class SpecTrainer:
     def prepare_rollout_process_groups(self) -> None:
         """On every rank, before rank 0 starts its in-process vLLM engine (collective): vLLM's process
         groups (spectrain/rollout/vllm/dist.py). An engine without process groups overrides this as a no-op."""
+        if self.config.rollout.engine == "torch":
+            return
         from spectrain.rollout.vllm.dist import prepare_process_groups
 
         prepare_process_groups()
@@ -178,7 +187,8 @@ class SpecTrainer:
         callbacks: list[Callback] = []
         if d.mode == "cotrained":
             callbacks.append(DraftCoTraining(every_n_steps=d.every_n_steps, grad_clip=d.grad_clip,
-                                             ttt_passes=d.ttt_passes, pass_decay=d.pass_decay))
+                                             ttt_passes=d.ttt_passes, pass_decay=d.pass_decay,
+                                             loss_kernel=d.loss_kernel))
         sync = self.config.sync
         callbacks.append(WeightSync(check_alive=d.check_alive and d.mode != "none", on_mismatch=sync.on_mismatch,
                                     on_dead=d.on_dead, logprob_tolerance=sync.logprob_tolerance,
@@ -214,9 +224,11 @@ class SpecTrainer:
         resume_ckpt, start_step = self._on_rank_zero(self.check_inputs)  # nothing is written before they pass
         self._on_rank_zero(self.create_run_dir)
         if self.is_rank_zero:
-            self.run.record({"prompt_files": self.prompt_file_counts()})
+            self.run.record({"prompt_files": self.prompt_file_counts(),
+                             "attention_backend": inputs.attention_backend(self.config)})
         self.build_inputs()  # on the other ranks: rank 0 built them while checking
         policy, draft = self._rank_zero_first(self._warm_start)
+        policy.attention_ops = inputs.policy_attention_ops(self.config)  # the warm start keeps the default torch ops
         if self.strategy is not None:
             self.prepare_rollout_process_groups()
         self._on_rank_zero(lambda: self._start_engine(policy, draft))  # every rank learns of a failed start
@@ -249,8 +261,10 @@ class SpecTrainer:
                 raise stopper.interruption(self.trainer.global_step)
             self.sync_final_weights()
             final_eval = self.final_evaluation(eval_examples)
+            # parallel.fsdp: every rank gathers the shards, rank 0 keeps the whole models (else: the modules themselves)
+            policy, draft = (unsharded_copy(m, keep=self.is_rank_zero) for m in (self.module.policy, self.module.draft))
             if self.is_rank_zero:
-                self.export_models(self.module.policy, self.module.draft, self.run_dir / "final")
+                self.export_models(policy, draft, self.run_dir / "final")
             history = self.history()
         finally:
             if self.engine is not None:
@@ -279,6 +293,7 @@ class SpecTrainer:
         self._check_logger()
         self._check_engine_inputs(pretrained.head_dim if pretrained is not None else None)
         self.check_warmstart_cache()
+        inputs.attention_backend(self.config)  # a backend this device cannot run fails now, not at the first step
         return resume
 
     def build_inputs(self) -> None:
@@ -299,6 +314,8 @@ class SpecTrainer:
 
     def _check_engine_inputs(self, head_dim: int | None) -> None:
         """What vLLM would refuse only when it starts, or at the first rollout: after the warm start."""
+        if self.config.rollout.engine == "torch":
+            return  # no KV cache, attention kernels or calibration to check
         from spectrain.rollout.speculation.calibration import needs_calibration
         from spectrain.rollout.vllm.engine import check_attention_head_size, kv_cache_bytes
 

@@ -210,7 +210,7 @@ def build_draft(config, policy: LlamaForCausalLM, source, tokenizer) -> Eagle3Dr
 
 def warm_up_draft(draft: Eagle3Draft, policy: LlamaForCausalLM, source, tokenizer, steps: int,
                   batch_size: int, optimizer: torch.optim.Optimizer, ttt_passes: int, pass_decay: float, seed: int,
-                  progress: bool = True) -> list[float]:
+                  progress: bool = True, loss_kernel: str = "auto") -> list[float]:
     """Offline TTT on teacher-forced task data, one `draft_update` per batch; the policy is frozen (no grad).
 
     Gradients are clipped at 1.0, a constant rather than `draft.grad_clip`, so that the cached
@@ -224,7 +224,8 @@ def warm_up_draft(draft: Eagle3Draft, policy: LlamaForCausalLM, source, tokenize
         with torch.no_grad():
             out = policy(batch.input_ids, batch.position_ids, batch.cu_seqlens, tap_layers=draft.cfg.tap_layers)
         taps = draft_inputs_from(out, batch, policy.attention_ops, None, ttt_valid_tokens(batch))
-        update = draft_update(draft, optimizer, [taps], ttt_passes=ttt_passes, pass_decay=pass_decay, grad_clip=1.0)
+        update = draft_update(draft, optimizer, [taps], ttt_passes=ttt_passes, pass_decay=pass_decay, grad_clip=1.0,
+                              loss_kernel=loss_kernel)
         losses.append(update.loss)
         bar.set_postfix(loss=f"{losses[-1]:.3f}", top1=f"{update.metrics.accuracy[0].item():.2f}")
     return losses
@@ -261,7 +262,8 @@ def build_and_warm_up_draft(config, policy: LlamaForCausalLM, source, tokenizer,
     losses, optimizer = [], draft_optimizer(draft, d.warmup_lr)
     if d.warmup_steps > 0:
         losses = warm_up_draft(draft, policy, source, tokenizer, d.warmup_steps, config.sft.batch_size, optimizer,
-                               d.ttt_passes, d.pass_decay, config.trainer.seed, config.trainer.progress_bar)
+                               d.ttt_passes, d.pass_decay, config.trainer.seed, config.trainer.progress_bar,
+                               loss_kernel=d.loss_kernel)
     with writing_cache(cache) as scratch:
         export_draft(draft, scratch, policy.cfg)
         if losses:

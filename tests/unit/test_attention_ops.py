@@ -1,14 +1,9 @@
 """Packed varlen attention ops and the LSE merge against a dense float64 reference.
 
 Tolerances: float64 results must match the reference to atol = rtol = 1e-10 (the blockwise
-online softmax only reorders sums); float32 to 1e-5; bf16 to 3e-2. The Triton kernel runs
-under TRITON_INTERPRET=1 in a subprocess (the flag is read when kernels are decorated).
+online softmax only reorders sums); float32 to 1e-5; bf16 to 3e-2. The Triton kernels are
+tested in test_triton_attention.py.
 """
-
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -21,37 +16,10 @@ from spectrain.ops.attention import (
     varlen_attention_with_lse,
 )
 from spectrain.ops.lse_merge import merge_attn
+from tests.helpers import cu_of, dense_attention, dense_mask
 
 TOL64 = dict(atol=1e-10, rtol=1e-10)
 LENGTHS = [1, 7, 33, 130, 5]
-
-
-def cu_of(lengths: list[int]) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-
-
-def dense_mask(lens_q: list[int], lens_k: list[int], causal: bool) -> torch.Tensor:
-    """Full [Tq, Tk] visibility mask, built explicitly (reference only)."""
-    mask = torch.zeros(sum(lens_q), sum(lens_k), dtype=torch.bool)
-    q0 = k0 = 0
-    for lq, lk in zip(lens_q, lens_k):
-        block = torch.ones(lq, lk, dtype=torch.bool)
-        mask[q0 : q0 + lq, k0 : k0 + lk] = block.tril() if causal else block
-        q0, k0 = q0 + lq, k0 + lk
-    return mask
-
-
-def dense_attention(q, k, v, mask, scale=None):
-    """Reference (out, lse) by the textbook formula; rows with no visible key: 0, -inf."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    s = torch.einsum("qhd,khd->hqk", q, k) * scale
-    s = s.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    safe_lse = torch.where(lse == float("-inf"), 0.0, lse)
-    p = torch.where(mask, torch.exp(s - safe_lse.unsqueeze(-1)), 0.0)
-    return torch.einsum("hqk,khd->qhd", p, v), lse.transpose(0, 1)
 
 
 def make_qkv(n_q, n_k, hq, hkv, dim=16, dtype=torch.float64, seed=0):
@@ -259,40 +227,3 @@ def test_merge_accumulates_in_float32():
     out, lse = merge_attn(out, lse, out_b, lse_b)
     torch.testing.assert_close(out, out_b.float())
     torch.testing.assert_close(lse, lse_b + torch.log(torch.tensor(2.0)))
-
-
-TRITON_CHECK = textwrap.dedent(
-    """
-    import sys
-    import torch
-    try:
-        from spectrain.kernels.attention_triton import triton_attn_forward
-    except ImportError as err:
-        print(err)
-        sys.exit(77)
-    from spectrain.ops.attention import attn_forward
-
-    torch.manual_seed(0)
-    cu = torch.tensor([0, 1, 8, 28], dtype=torch.int32)
-    cases = [(4, 2, 12, torch.float32, 1e-5), (2, 2, 16, torch.float16, 2e-3)]
-    for hq, hkv, dim, dtype, tol in cases:
-        q = torch.randn(28, hq, dim, dtype=dtype)
-        k, v = torch.randn(2, 28, hkv, dim, dtype=dtype)
-        out, lse = triton_attn_forward(q, k, v, cu, block_m=16, block_n=16)
-        ref_out, ref_lse = attn_forward(q, k, v, cu, cu, causal=True)
-        assert out.dtype == dtype and lse.dtype == torch.float32
-        torch.testing.assert_close(out, ref_out, atol=tol, rtol=tol)
-        torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
-    """
-)
-
-
-@pytest.mark.slow  # a subprocess: importing torch + triton again costs seconds
-def test_triton_forward_matches_under_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", TRITON_CHECK], env=env, capture_output=True, text=True, timeout=300
-    )
-    if proc.returncode == 77:
-        pytest.skip(f"triton unavailable: {proc.stdout.strip()}")
-    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -8,37 +8,13 @@ import torch
 
 from spectrain.ops.attention import LocalAttentionOps, varlen_attention
 from spectrain.ops.ttt_attention import ttt_attention
+from tests.helpers import cu_of, dense_ttt, staircase_mask
 
 TOL64 = dict(atol=1e-10, rtol=1e-10)
 LENGTHS = [1, 7, 33, 130, 5]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def cu_of(lengths: list[int]) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-
-
-def staircase_mask(lengths: list[int], n_pass: int) -> torch.Tensor:
-    """[T, d*T] mask: causal per document over pass-1 keys, then one diagonal per pass."""
-    t = sum(lengths)
-    trunk = torch.zeros(t, t, dtype=torch.bool)
-    start = 0
-    for n in lengths:
-        trunk[start : start + n, start : start + n] = torch.ones(n, n, dtype=torch.bool).tril()
-        start += n
-    return torch.cat([trunk] + [torch.eye(t, dtype=torch.bool)] * (n_pass - 1), dim=1)
-
-
-def dense_ttt(q, keys, values, mask, scale=None):
-    """Reference: plain masked softmax attention over all passes' keys concatenated."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    group = q.shape[1] // keys[0].shape[1]
-    k = torch.cat(keys).repeat_interleave(group, dim=1)
-    v = torch.cat(values).repeat_interleave(group, dim=1)
-    s = (torch.einsum("qhd,khd->hqk", q, k) * scale).masked_fill(~mask, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v)
 
 
 def make_inputs(t, n_pass, hq, hkv, dim=16, dtype=torch.float64, seed=0):

@@ -95,7 +95,8 @@ class ContextParallelPlan:
         self.dp_size, self.dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
         self.cp_size, self.cp_rank = mesh["cp"].size(), mesh["cp"].get_local_rank()
         self.cp_group = mesh["cp"].get_group()
-        self.replica_group = flatten_mesh(mesh["dp", "cp"], "dp_cp").get_group()  # all ranks holding a replica
+        self.replica_mesh = flatten_mesh(mesh["dp", "cp"], "dp_cp")  # all ranks holding a replica (or a shard)
+        self.replica_group = self.replica_mesh.get_group()
         self.is_rollout_rank = dist.get_rank() == ROLLOUT_RANK
 
     def prepare(self, module: nn.Module) -> None:

@@ -1,0 +1,152 @@
+"""Attention backends behind the ``(out, lse)`` ops seam, chosen by ``policy.attention_backend``.
+
+Every backend has ``forward(q, k, v, cu_q, cu_k, causal, scale) -> (out, lse)`` and
+``backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale) -> (dq, dk, dv)`` with the JOINT
+statistics semantics of docs/dev/contracts.md, so any of them is the policy's attention, the
+draft's TTT trunk and the local block of the zigzag ring.
+
+=========== ========================= ================= =============================== ====
+backend     runs on                   dtypes            backward                        CP
+=========== ========================= ================= =============================== ====
+torch       CPU, CUDA (blockwise)     any; fp64 exact   blockwise, from (out, lse)      yes
+varlen      CUDA sm80+ (in torch)     fp16, bf16 [1]_   torch's flash kernel            yes
+flex        CUDA compiled, CPU eager  fp16, bf16, fp32  recompute [2]_ [3]_             yes
+triton      CUDA; CPU interpreter     fp16, bf16, fp32  Triton kernels, from (out, lse) yes
+flash_attn  CUDA, when installed [5]_ fp16, bf16 [1]_   flash-attn, from (out, lse)     yes
+te          CUDA, when installed [5]_ fp16, bf16 [1]_   recompute [3]_                  no [4]_
+=========== ========================= ================= =============================== ====
+
+``auto`` resolves per device on the first call: CPU -> torch; CUDA -> flash_attn if installed,
+else varlen, else triton, else flex (16-bit-only kernels are skipped for float32 runs).
+
+.. [1] 16-bit kernels. In a bf16 run (``policy.dtype=bfloat16``) attention sees float32 q/k/v
+   (rotary tables promote them under autocast): they are computed in bf16 (``half_dtype``).
+.. [2] torch has no flex backward on CPU: there the recompute uses the same mask densely.
+.. [3] No entry point takes given ``(out, lse)``: the part is recomputed under autograd and fed
+   the gradients the joint merge implies (``recompute_backward``).
+.. [4] TE returns no LSE: it is read off a sink key (``_lse_by_sink``), at the output's 16-bit
+   precision only, too coarse for the ring's merges.
+.. [5] ``pip install -e ".[flash-attn]"`` / ``pip install -e ".[transformer-engine]"`` (both compile
+   against the CUDA toolkit for a long time); nothing else needs them. The CPU interpreter
+   (``TRITON_INTERPRET=1``) is for tests.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import sys
+
+import torch
+
+from spectrain.config.schema import ATTENTION_BACKENDS as BACKENDS
+from spectrain.ops.attention import LocalAttentionOps
+from spectrain.ops.backend_ops import (INSTALL, FlashAttnOps, FlexOps, TransformerEngineOps, VarlenOps, backend_error,
+                                       import_installed, kernel_dtype)
+
+FLASH_KERNELS = ("varlen", "flash_attn", "te")  # CUDA-only fp16 / bf16 kernels
+
+
+def _triton_ops():
+    from spectrain.kernels.attention_triton import TritonAttentionOps
+
+    return TritonAttentionOps()
+
+
+def _varlen_runs_here() -> bool:
+    """torch's varlen flash kernels: this torch has them and the GPU is sm80+ (what they are built for)."""
+    return (importlib.util.find_spec("torch.nn.attention.varlen") is not None
+            and torch.backends.cuda.is_flash_attention_available() and torch.cuda.is_available()
+            and torch.cuda.get_device_capability() >= (8, 0))
+
+
+def _triton_runs_here(device_type: str) -> bool:
+    return importlib.util.find_spec("triton") is not None and (
+        device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def resolve_auto(device_type: str, half_dtype: torch.dtype | None) -> tuple[str, str]:
+    """The backend `auto` runs on `device_type`, and why."""
+    if device_type != "cuda":
+        return "torch", f"{device_type}: the blockwise torch ops (the flash backends are CUDA-only)"
+    if half_dtype is None:
+        skipped = "a float32 run skips the 16-bit flash kernels"
+    elif importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attn", "cuda: flash-attn is installed"
+    elif _varlen_runs_here():
+        return "varlen", "cuda: flash-attn not installed; torch's own varlen flash kernels"
+    else:
+        skipped = "torch's varlen flash kernels need an sm80+ GPU and a torch built with them"
+    if _triton_runs_here(device_type):
+        return "triton", f"cuda: {skipped}; the Triton kernels"
+    return "flex", f"cuda: {skipped} and Triton is missing; FlexAttention"
+
+
+def check_attention_backend(name: str, device_type: str, half_dtype: torch.dtype | None = None) -> str:
+    """Fail at start-up, not mid-step, when backend `name` cannot run on `device_type` ("cpu" / "cuda");
+    returns the backend it runs (`auto` resolved). `half_dtype`: see `build_attention_ops`."""
+    if name not in BACKENDS:
+        raise backend_error(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    if name == "auto":
+        return resolve_auto(device_type, half_dtype)[0]
+    if name in INSTALL:
+        import_installed(name)
+    if name in FLASH_KERNELS:
+        if device_type != "cuda":
+            raise backend_error(f"{name} runs on CUDA only and this run trains on {device_type} "
+                                f"(trainer.accelerator); use torch or auto on {device_type}")
+        kernel_dtype(torch.float32, half_dtype, name)  # a float32 run: refused
+    if name == "varlen" and not _varlen_runs_here():
+        raise backend_error("varlen needs torch's flash kernels (torch >= 2.11 built with CUDA, an sm80+ GPU); "
+                            "use flex or triton")
+    if name == "triton" and not _triton_runs_here(device_type):
+        raise backend_error(f"triton runs on CUDA, or on CPU under TRITON_INTERPRET=1 (tests only); on "
+                            f"{device_type} use torch or auto")
+    return name
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+    """Once per process: the policy and its frozen KL reference each hold an `auto` ops object."""
+    print(message, file=sys.stderr, flush=True)
+
+
+class AutoAttentionOps:
+    """`auto`: the backend is resolved per device type on the first call (and said once on stderr)."""
+
+    def __init__(self, half_dtype: torch.dtype | None = None) -> None:
+        self.half_dtype = half_dtype
+        self.resolved: dict[str, object] = {}
+
+    @property
+    def supports_context_parallel(self) -> bool:
+        return all(getattr(ops, "supports_context_parallel", True) for ops in self.resolved.values())
+
+    def ops_for(self, device: torch.device):
+        if device.type not in self.resolved:
+            name, why = resolve_auto(device.type, self.half_dtype)
+            _say_once(f"[spectrain] policy.attention_backend=auto -> {name} ({why})")
+            self.resolved[device.type] = build_attention_ops(name, self.half_dtype)
+        return self.resolved[device.type]
+
+    def forward(self, q, *args, **kwargs):
+        return self.ops_for(q.device).forward(q, *args, **kwargs)
+
+    def backward(self, dout, q, *args, **kwargs):
+        return self.ops_for(q.device).backward(dout, q, *args, **kwargs)
+
+
+def build_attention_ops(name: str, half_dtype: torch.dtype | None = None):
+    """The ops object of `policy.attention_backend = name`.
+
+    `half_dtype`: what the 16-bit-only kernels (varlen, flash_attn, te) compute float32 inputs in; a bf16
+    run passes torch.bfloat16 (its attention sees float32 q/k/v), a float32 run None (they refuse them).
+    """
+    if name == "auto":
+        return AutoAttentionOps(half_dtype)
+    builders = {"torch": LocalAttentionOps, "flex": FlexOps, "triton": _triton_ops,
+                "varlen": lambda: VarlenOps(half_dtype), "flash_attn": lambda: FlashAttnOps(half_dtype),
+                "te": lambda: TransformerEngineOps(half_dtype)}
+    if name not in builders:
+        raise backend_error(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    return builders[name]()

@@ -1,0 +1,224 @@
+"""Sharded data parallel (`parallel.fsdp`): FSDP2 over gloo against the single-process step.
+
+Real gloo processes, the tiny float64 policy and draft of test_context_parallel, a fake
+rollout (no vLLM). Two clipped AdamW updates of the policy and one draft update
+(`draft_update`, as co-training runs it) through `FullyShardedPlan` must give LocalPlan's
+losses, gradient norms, clipped gradients and updated weights (float64, 1e-10 relative);
+the weights gathered for the engine equal the unsharded model's; a checkpoint written from
+the shards resumes to the same next step. Last, `SpecTrainer.fit` at dp=2 with fsdp under
+Lightning (test_pp_fit's stand-in engine, no vLLM), stopped and resumed, logs one process's
+metrics. gloo has every collective FSDP2 needs here (all-gather, reduce-scatter with SUM).
+"""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from spectrain.config import ConfigError, load_config
+from spectrain.parallel.fsdp import (FullyShardedPlan, full_tensor, gathered_optimizer_state, gathered_state_dict,
+                                     is_sharded, shard_optimizer_state)
+from spectrain.parallel.mesh import build_mesh
+from spectrain.parallel.plan import LocalPlan
+from spectrain.parallel.spawn import run_distributed
+from spectrain.train.draft_update import draft_optimizer, draft_update
+from tests.distributed.test_context_parallel import CAPTURE, PASS_DECAY, TTT_STEPS, _assert_close, _batch, _models
+from tests.helpers import float64_grpo_loss_fn
+
+LR, CLIP, UPDATES = 1e-2, 0.5, 2  # CLIP below the gradient norms: the global norm over shards scales every shard
+
+
+def _full(named) -> dict[str, torch.Tensor]:
+    """Whole tensors (collective for shards: every rank calls it in the same order)."""
+    return {n: full_tensor(t, keep=True) for n, t in named}
+
+
+def _optimizers(models):
+    return torch.optim.AdamW(models.policy.parameters(), lr=LR), draft_optimizer(models.draft, LR)
+
+
+def _train(plan, models, optimizers, reduce) -> dict:
+    """`UPDATES` clipped policy updates, then one draft update on the last forward's taps."""
+    policy_opt, draft_opt = optimizers
+    batch = _batch()
+    losses, norms = [], []
+    for _ in range(UPDATES):
+        policy_opt.zero_grad(set_to_none=True)
+        result = plan.policy_forward_backward(models.policy, batch, float64_grpo_loss_fn(batch.num_response_tokens),
+                                              CAPTURE, lambda loss: loss.backward())
+        plan.reduce_gradients(models.policy)
+        norms.append(plan.clip_grad_norm(models.policy, CLIP))
+        policy_grads = _full((n, p.grad) for n, p in models.policy.named_parameters())
+        policy_opt.step()
+        losses.append(result.loss)
+    update = draft_update(models.draft, draft_opt, result.draft_inputs, ttt_passes=TTT_STEPS, pass_decay=PASS_DECAY,
+                          grad_clip=CLIP, sum_over_ranks=reduce, reduce_gradients=plan.reduce_gradients)
+    assert update.applied
+    return dict(policy_loss=torch.stack(losses), policy_grad_norm=torch.stack(norms), policy_grads=policy_grads,
+                draft_loss=torch.tensor(update.loss, dtype=torch.float64),
+                draft_grads=_full((n, p.grad) for n, p in models.draft.named_parameters()),
+                policy=_full(models.policy.state_dict().items()), draft=_full(models.draft.state_dict().items()))
+
+
+def _all_reduce(t):
+    dist.all_reduce(t)
+    return t
+
+
+def _sharded(rank, dp, cp, seed=None):
+    """Rank-dependent weights made rank 0's by `prepare`, then sharded."""
+    models = _models(seed=rank if seed is None else seed)
+    plan = FullyShardedPlan(build_mesh(1, dp, cp))
+    plan.prepare(models)
+    plan.shard_modules(models)
+    assert is_sharded(models.policy) and is_sharded(models.draft)
+    return plan, models
+
+
+def _fsdp_worker(rank, world, dp, cp):
+    plan, models = _sharded(rank, dp, cp)
+    local = models.policy.model.layers["0"].mlp.up_proj.weight.to_local()
+    assert local.shape[0] < models.policy.cfg.intermediate_size  # this rank holds a shard only
+    synced = plan.policy_weights(models.policy), plan.draft_weights(models.draft)
+    out = _train(plan, models, _optimizers(models), _all_reduce)
+    return dict(out, synced_before=synced, synced_after=(plan.policy_weights(models.policy),
+                                                         plan.draft_weights(models.draft)))
+
+
+def _reference() -> tuple[dict, tuple]:
+    models = _models(seed=0)
+    local = LocalPlan()
+    before = [[(n, t.clone()) for n, t in ws] for ws in (local.policy_weights(models.policy),
+                                                          local.draft_weights(models.draft))]
+    out = _train(local, models, _optimizers(models), reduce=lambda t: t)
+    return out, (before, [local.policy_weights(models.policy), local.draft_weights(models.draft)])
+
+
+def _assert_synced(got, want, what):
+    """The engine's list: same names in the same order, equal tensors."""
+    for got_ws, want_ws, which in zip(got, want, ("policy", "draft")):
+        assert [n for n, _ in got_ws] == [n for n, _ in want_ws], f"{what} {which}: names differ"
+        for (name, g), (_, w) in zip(got_ws, want_ws):
+            assert g.device.type == "cpu" and not g.requires_grad, name
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=lambda m: f"{what} {which} {name}: {m}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp,cp", [(2, 1), (2, 2)])
+def test_fsdp_matches_local_plan(dp, cp):
+    """Losses, gradient norms, clipped gradients and updated weights of the policy and the draft equal
+    LocalPlan's; rank 0's sync lists equal the unsharded model's (before and after the updates)."""
+    want, (synced_before, synced_after) = _reference()
+    assert want["policy_grad_norm"].min() > CLIP and want["draft_loss"] > 0  # clipping on: the global norm matters
+    for rank, got in enumerate(run_distributed(_fsdp_worker, dp * cp, dp, cp, timeout=300)):
+        sync = got.pop("synced_before"), got.pop("synced_after")
+        _assert_close(got, want, f"dp={dp} cp={cp} rank {rank}")
+        if rank == 0:
+            _assert_synced(sync[0], synced_before, "before")
+            _assert_synced(sync[1], synced_after, "after")
+        else:
+            assert sync == ((None, None), (None, None)), f"rank {rank} kept gathered weights"
+
+
+def _resume_worker(rank, world, path):
+    """Train, checkpoint from the shards (rank 0 writes), train on; then a fresh run resumes from the file."""
+    plan, models = _sharded(rank, world, 1)
+    optimizers = _optimizers(models)
+    _train(plan, models, optimizers, _all_reduce)
+    keep = rank == 0
+    saved = {"state_dict": gathered_state_dict(models, keep),
+             "optimizer_states": [gathered_optimizer_state(opt, keep) for opt in optimizers]}
+    if keep:
+        torch.save(saved, path)
+    dist.barrier()
+    after = _train(plan, models, optimizers, _all_reduce)
+
+    checkpoint = torch.load(path, weights_only=False)  # every rank reads the file, as Lightning does
+    fresh = _models(seed=rank + 10)
+    fresh.load_state_dict(checkpoint["state_dict"])  # before sharding, as Lightning restores the module
+    plan = FullyShardedPlan(build_mesh(1, world, 1))
+    plan.prepare(fresh)
+    plan.shard_modules(fresh)
+    resumed_opts = _optimizers(fresh)
+    for opt, state in zip(resumed_opts, checkpoint["optimizer_states"]):
+        opt.load_state_dict(state)
+        shard_optimizer_state(opt)
+    reloaded = [gathered_optimizer_state(opt, keep=True) for opt in resumed_opts]
+    return dict(checkpoint=checkpoint, reloaded=reloaded, after=after,
+                resumed=_train(plan, fresh, resumed_opts, _all_reduce))
+
+
+@pytest.mark.slow
+def test_checkpoint_from_shards_resumes_the_same_run(tmp_path):
+    """The full state dict and AdamW state gathered from the shards (the unsharded format) load into a fresh
+    sharded run whose next updates equal the uninterrupted run's."""
+    for rank, got in enumerate(run_distributed(_resume_worker, 2, str(tmp_path / "last.ckpt"), timeout=300)):
+        saved = got["checkpoint"]
+        assert saved["state_dict"].keys() == _models(seed=0).state_dict().keys()
+        for want, reloaded in zip(saved["optimizer_states"], got["reloaded"]):
+            assert len(want["state"]) > 0 and want["param_groups"] == reloaded["param_groups"]
+            _assert_close({str(i): s for i, s in reloaded["state"].items()},
+                          {str(i): s for i, s in want["state"].items()}, f"rank {rank} optimizer state")
+        _assert_close(got["resumed"], got["after"], f"rank {rank} resumed")
+
+
+def test_fsdp_config_errors_name_the_keys():
+    load_config(overrides=["parallel.dp=2", "parallel.fsdp=true"])
+    with pytest.raises(ConfigError, match=r"parallel.fsdp: .*parallel.pp=2.*set parallel.pp=1"):
+        load_config(overrides=["parallel.pp=2", "parallel.microbatches=2", "parallel.fsdp=true"])
+    with pytest.raises(ConfigError, match=r"parallel.fsdp: .*nothing to shard over; raise parallel.dp"):
+        load_config(overrides=["parallel.fsdp=true"])
+
+
+# ---------------------------------------------------------------------------------- SpecTrainer.fit
+RESUME_AT = 2  # the first fit stops here (a checkpoint per step); the same command with one more step resumes
+
+
+def _fit_and_resume(run_dir, overrides, warmstart_dir):
+    """Two fits in one run directory: up to RESUME_AT, then resumed for the last step (checkpoints every step)."""
+    from tests.distributed.test_pp_fit import STEPS, _fit
+
+    for steps in (RESUME_AT, STEPS):
+        _fit(run_dir, [*overrides, "trainer.checkpoint_every_n_steps=1", f"trainer.max_steps={steps}"], warmstart_dir)
+
+
+def _fit_worker(rank, world, tmp_path):
+    """One rank, launched as torchrun would (its environment; the process group is up)."""
+    os.environ.update(TORCHELASTIC_RUN_ID="test", RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0",
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    _fit_and_resume(tmp_path / "fsdp", ["parallel.dp=2", "parallel.fsdp=true"], tmp_path / f"warmstart_fsdp_{rank}")
+
+
+@pytest.mark.slow
+def test_fit_dp2_fsdp_checkpoints_and_resumes_like_one_process(tmp_path):
+    """`SpecTrainer.fit` (Lightning, the spec_parallel strategy, DraftCoTraining, WeightSync, ModelCheckpoint) with
+    parallel.dp=2 parallel.fsdp=true, stopped after RESUME_AT steps and resumed from its checkpoint, logs what
+    one process logs on the same stop and resume; its checkpoint and final export hold the same weights."""
+    from safetensors.torch import load_file
+
+    from tests.distributed.test_pp_fit import ATOL, RTOL, STEPS, _compared_columns, _step_rows
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _fit_and_resume(tmp_path / "one", [], tmp_path / "warmstart_one")
+    finally:
+        torch.set_num_threads(threads)
+    run_distributed(_fit_worker, 2, tmp_path, timeout=600)
+    want, got = _step_rows(tmp_path / "one"), _step_rows(tmp_path / "fsdp")
+    columns = _compared_columns(want[0])
+    assert _compared_columns(got[0]) == columns and {"draft/loss", "policy/grad_norm"} <= set(columns)
+    for step, (a, b) in enumerate(zip(want, got)):
+        for col in columns:
+            x, y = float(a[col]), float(b[col])
+            assert abs(x - y) <= RTOL * abs(x) + ATOL, f"step {step} {col}: one process {x} vs fsdp {y}"
+    ckpts = [torch.load(tmp_path / name / "checkpoints/last.ckpt", weights_only=False) for name in ("one", "fsdp")]
+    assert ckpts[1]["state_dict"].keys() == ckpts[0]["state_dict"].keys() and ckpts[1]["global_step"] == STEPS
+    for key, want_t in ckpts[0]["state_dict"].items():  # float32 weights: measured <= 1.2e-7 apart (summation order)
+        torch.testing.assert_close(ckpts[1]["state_dict"][key], want_t, rtol=1e-5, atol=1e-6, msg=key)
+    for want_opt, got_opt in zip(ckpts[0]["optimizer_states"], ckpts[1]["optimizer_states"]):
+        assert got_opt["state"].keys() == want_opt["state"].keys() and not any(
+            type(t).__name__ == "DTensor" for s in got_opt["state"].values() for t in s.values())
+    exported = load_file(tmp_path / "fsdp/final/policy/model.safetensors")
+    for name, t in exported.items():
+        torch.testing.assert_close(t, ckpts[1]["state_dict"][f"policy.{name}"].to(t.dtype), rtol=0, atol=0, msg=name)
