@@ -36,9 +36,13 @@ import triton.language as tl
 
 from spectrain.ops.attention import _without_autocast
 
+# Launch defaults, checked for spills and shared memory by compiling for sm_90 / sm_80 (tests/triton_compile.py).
+# float32 tiles are 16 x 16: an ieee tl.dot runs on the FMA units, each thread holding whole rows of both
+# operands, and 64 x 64 float32 tiles at head_dim 128 spill kilobytes per thread.
 BLOCK_M = 64
 BLOCK_N = 64
-NUM_WARPS = 4
+FP32_BLOCK = 16
+NUM_WARPS = 8  # 4 spill at head_dim 128 in 16 bits: the backward on sm_90, also the forward on sm_80
 LOG2E = tl.constexpr(1.4426950408889634)  # softmax in base 2: exp(x) = exp2(x * LOG2E)
 LN2 = tl.constexpr(0.6931471805599453)
 # The interpreter keeps bfloat16 as uint16 (numpy has no bf16) and its tl.dot multiplies those bit patterns:
@@ -350,6 +354,12 @@ def _branch_stack(tensors: list[torch.Tensor], like: torch.Tensor) -> torch.Tens
     return torch.stack(tensors) if tensors else like
 
 
+def _blocks(dtype: torch.dtype, block_m: int | None, block_n: int | None) -> tuple[int, int]:
+    """The given tile sizes; None: ``BLOCK_M x BLOCK_N``, or ``FP32_BLOCK`` square for float32."""
+    fp32 = dtype == torch.float32
+    return block_m or (FP32_BLOCK if fp32 else BLOCK_M), block_n or (FP32_BLOCK if fp32 else BLOCK_N)
+
+
 def _meta(q, k, causal, block_m, block_n) -> dict:
     """Compile-time sizes and launch options shared by the kernels."""
     return dict(HQ=q.shape[1], HKV=k.shape[1], HEAD_DIM=q.shape[2], CAUSAL=causal, BLOCK_M=block_m,
@@ -361,6 +371,7 @@ def _forward(q, k, v, branch_keys, branch_values, cu_q, cu_k, causal, scale, blo
     _check_shapes(q, k, v, branch_keys, branch_values)
     cu_q, cu_k, max_q, _ = _doc_lengths(cu_q, cu_k, q, k, causal)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    block_m, block_n = _blocks(q.dtype, block_m, block_n)
     q, k, v = (t.contiguous() for t in (q, k, v))
     kb, vb = _branch_stack(branch_keys, k), _branch_stack(branch_values, v)
     out = torch.empty_like(q)
@@ -377,6 +388,7 @@ def _backward(dout, q, k, v, out, lse, branch_keys, branch_values, cu_q, cu_k, c
     assert dout.shape == out.shape == q.shape and lse.shape == q.shape[:2], (dout.shape, out.shape, lse.shape)
     cu_q, cu_k, max_q, max_k = _doc_lengths(cu_q, cu_k, q, k, causal)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    block_m, block_n = _blocks(q.dtype, block_m, block_n)
     q, k, v, dout = (t.contiguous() for t in (q, k, v, dout))
     kb, vb = _branch_stack(branch_keys, k), _branch_stack(branch_values, v)
     lse = lse.float().contiguous()
@@ -388,8 +400,9 @@ def _backward(dout, q, k, v, out, lse, branch_keys, branch_values, cu_q, cu_k, c
         _bwd_dq[(triton.cdiv(max_q, block_m), n_docs, q.shape[1])](
             q, k, v, kb, vb, dout, lse, delta, dq, cu_q, cu_k, scale, len(branch_keys), k.numel(), **meta)
     if max_k > 0:
+        # query steps of half a block: k, v, dk, dv stay in registers across them (no spills at head_dim 128)
         _bwd_dkdv[(triton.cdiv(max_k, block_n), n_docs, k.shape[1])](
-            q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, scale, **meta)
+            q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, scale, **{**meta, "BLOCK_M": max(16, block_m // 2)})
     if not branch_keys:
         return dq, dk, dv, [], []
     dkb, dvb = torch.empty_like(kb), torch.empty_like(vb)
@@ -409,10 +422,11 @@ def triton_attn_forward(
     causal: bool,
     scale: float | None = None,
     *,
-    block_m: int = BLOCK_M,
-    block_n: int = BLOCK_N,
+    block_m: int | None = None,
+    block_n: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [Tq, Hq, D] in q.dtype, lse [Tq, Hq] float32)``; rows seeing no key: 0 and -inf."""
+    """``(out [Tq, Hq, D] in q.dtype, lse [Tq, Hq] float32)``; rows seeing no key: 0 and -inf.
+    ``block_m`` x ``block_n``: the query x key tile, None for the dtype's default (64 x 64, float32 16 x 16)."""
     return _forward(q, k, v, [], [], cu_seqlens_q, cu_seqlens_k, causal, scale, block_m, block_n)
 
 
@@ -429,8 +443,8 @@ def triton_attn_backward(
     causal: bool,
     scale: float | None = None,
     *,
-    block_m: int = BLOCK_M,
-    block_n: int = BLOCK_N,
+    block_m: int | None = None,
+    block_n: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` with ``(out, lse)`` as the softmax statistics; dk, dv summed over GQA groups."""
     dq, dk, dv, _, _ = _backward(dout, q, k, v, out, lse, [], [], cu_seqlens_q, cu_seqlens_k, causal, scale,
@@ -446,8 +460,8 @@ def triton_ttt_forward(
     cu_seqlens: torch.Tensor,
     scale: float | None = None,
     *,
-    block_m: int = BLOCK_M,
-    block_n: int = BLOCK_N,
+    block_m: int | None = None,
+    block_n: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """TTT branch attention of pass ``P = len(keys)`` (``ttt_attention``'s semantics) as ``(out, lse)``:
     ``keys[0]`` seen causally within the document, ``keys[p >= 1]`` only at the same row."""
@@ -467,8 +481,8 @@ def triton_ttt_backward(
     cu_seqlens: torch.Tensor,
     scale: float | None = None,
     *,
-    block_m: int = BLOCK_M,
-    block_n: int = BLOCK_N,
+    block_m: int | None = None,
+    block_n: int | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """``(dq, dkeys, dvalues)`` of ``triton_ttt_forward``, one gradient per pass."""
     assert len(keys) == len(values) >= 1, (len(keys), len(values))
@@ -483,22 +497,41 @@ class TritonAttentionOps:
 
     Also the local block of ring attention: the ring only calls ``forward`` / ``backward`` (and never
     the fused TTT: under context parallel the trunk is the ring and the branch stays closed form).
+    ``half_dtype``: what float32 inputs are computed in (a bf16 run's attention sees float32 q/k/v under
+    autocast; bf16 tiles take the tensor cores, exact float32 ones do not); None keeps float32.
     """
 
     supports_context_parallel = True
 
-    def __init__(self, block_m: int = BLOCK_M, block_n: int = BLOCK_N):
+    def __init__(self, block_m: int | None = None, block_n: int | None = None, half_dtype: torch.dtype | None = None):
         self.blocks = dict(block_m=block_m, block_n=block_n)
+        self.half_dtype = half_dtype
+
+    def _in(self, *tensors):
+        """float32 tensors in `half_dtype` (when set); everything else unchanged."""
+        cast = self.half_dtype is not None
+        return [t.to(self.half_dtype) if cast and t.dtype == torch.float32 else t for t in tensors]
+
+    def ttt_ops(self, device: torch.device) -> "TritonAttentionOps":
+        """What ``ttt_attention`` fuses trunk and branch with: these kernels."""
+        return self
 
     def forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale=None):
-        return triton_attn_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, **self.blocks)
+        out, lse = triton_attn_forward(*self._in(q, k, v), cu_seqlens_q, cu_seqlens_k, causal, scale, **self.blocks)
+        return out.to(q.dtype), lse
 
     def backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale=None):
-        return triton_attn_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale,
-                                    **self.blocks)
+        grads = triton_attn_backward(*self._in(dout, q, k, v, out), lse, cu_seqlens_q, cu_seqlens_k, causal, scale,
+                                     **self.blocks)
+        return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
 
     def ttt_forward(self, q, keys, values, cu_seqlens, scale=None):
-        return triton_ttt_forward(q, keys, values, cu_seqlens, scale, **self.blocks)
+        out, lse = triton_ttt_forward(*self._in(q), self._in(*keys), self._in(*values), cu_seqlens, scale,
+                                      **self.blocks)
+        return out.to(q.dtype), lse
 
     def ttt_backward(self, dout, q, keys, values, out, lse, cu_seqlens, scale=None):
-        return triton_ttt_backward(dout, q, keys, values, out, lse, cu_seqlens, scale, **self.blocks)
+        dq, dks, dvs = triton_ttt_backward(*self._in(dout, q), self._in(*keys), self._in(*values), *self._in(out),
+                                           lse, cu_seqlens, scale, **self.blocks)
+        return (dq.to(q.dtype), [g.to(k.dtype) for g, k in zip(dks, keys)],
+                [g.to(v.dtype) for g, v in zip(dvs, values)])

@@ -27,6 +27,11 @@ import triton
 import triton.language as tl
 
 _STATS = 6  # max z, sum exp(z - max z), max t, sum exp(t - max t), sum exp(t - max t) z, best z
+# Launch defaults, checked for spills and shared memory by compiling for sm_90 / sm_80 (tests/triton_compile.py):
+# a [64, 128] float32 logits tile and its softmax temporaries spill with 4 warps; float32 slices of 64 hidden
+# units (an ieee tl.dot on the FMA units) spill even with 8.
+BLOCK_T, BLOCK_V, BLOCK_K = 64, 128, 32
+NUM_WARPS = 8
 
 
 @triton.jit
@@ -146,7 +151,7 @@ def _combine_splits(stats: torch.Tensor, best_id: torch.Tensor) -> tuple[torch.T
 
 
 def soft_ce_forward(hidden: torch.Tensor, weight: torch.Tensor, teacher: torch.Tensor, *, splits: int | None = None,
-                    block_t: int = 64, block_v: int = 128, block_k: int = 64) -> tuple[torch.Tensor, ...]:
+                    block_t: int = BLOCK_T, block_v: int = BLOCK_V, block_k: int = BLOCK_K) -> tuple[torch.Tensor, ...]:
     """Per row: soft CE `[T]`, the draft's argmax id `[T]`, and lse of the draft and teacher logits `[T]`.
 
     `hidden [T, H]` and `weight [Vd, H]` (same dtype), `teacher [T, Vd]` (any float dtype; read
@@ -165,13 +170,13 @@ def soft_ce_forward(hidden: torch.Tensor, weight: torch.Tensor, teacher: torch.T
         _soft_ce_fwd[(row_blocks, splits)](
             hidden, weight, teacher, stats, best_id, n_rows, vocab, hidden_size, split_width,
             hidden.stride(0), weight.stride(0), teacher.stride(0),
-            BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_K=block_k)
+            BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_K=block_k, num_warps=NUM_WARPS)
     return _combine_splits(stats, best_id)
 
 
 def soft_ce_dlogits(hidden: torch.Tensor, weight: torch.Tensor, teacher: torch.Tensor, grad: torch.Tensor,
-                    lse_z: torch.Tensor, lse_t: torch.Tensor, *, block_t: int = 64, block_v: int = 128,
-                    block_k: int = 64) -> torch.Tensor:
+                    lse_z: torch.Tensor, lse_t: torch.Tensor, *, block_t: int = BLOCK_T, block_v: int = BLOCK_V,
+                    block_k: int = BLOCK_K) -> torch.Tensor:
     """`d(sum grad * ce)/dz [T, Vd]` in the weight's dtype, the logits recomputed tile by tile.
 
     `grad [T]` (zero on rows that do not count) and the forward's `lse_z`, `lse_t`, all in the
@@ -185,5 +190,5 @@ def soft_ce_dlogits(hidden: torch.Tensor, weight: torch.Tensor, teacher: torch.T
         _soft_ce_bwd[grid](
             hidden, weight, teacher, grad.contiguous(), lse_z.contiguous(), lse_t.contiguous(), dz,
             n_rows, vocab, hidden_size, hidden.stride(0), weight.stride(0), teacher.stride(0), dz.stride(0),
-            BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_K=block_k)
+            BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_K=block_k, num_warps=NUM_WARPS)
     return dz

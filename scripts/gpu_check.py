@@ -4,13 +4,13 @@
 2. tests: every `gpu`-marked test, compiled on the GPU (a skip fails, except an optional backend not installed);
 3. fit: GRPO steps of the tiny recipe in bf16 on the GPU, policy + co-trained draft, torch sampling engine, no vLLM;
 4. bench: `spectrain bench kernels` (TTT attention and the draft loss vs the torch paths, 4K-64K tokens).
-`--mode cpu-dry-run` runs the same steps on CPU: kernel tests under the Triton interpreter, tiny sizes.
+`--mode cpu-dry-run` runs the same steps on CPU (kernel tests under the Triton interpreter, tiny sizes), plus
+`compile`: every kernel compiled offline for sm_90 (shared memory, registers, spills; `tests/triton_compile.py`).
 A summary goes to `gpu_check.json` beside the benchmark's files; the exit code is 1 when any step failed.
 """
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import os
@@ -29,14 +29,27 @@ FIT = ["rollout.engine=torch", "policy.dtype=bfloat16", f"trainer.max_steps={FIT
        "draft.warmup_steps=20", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.eval_prompts=8",
        "rollout.eval_samples=2", "trainer.eval_every_n_steps=0", "trainer.progress_bar=false",
        "draft.check_alive=false", "trainer.resume=never"]
+# on CPU the kernels the GPU run picks by `auto` are named (the interpreter is slow: the rollouts stay on torch)
+FIT_DRY_RUN = ["draft.loss_kernel=triton"]
+INTERPRETER = {"TRITON_INTERPRET": "1"}
 BENCH_TINY = ["tokens=64,128", "doc_tokens=40", "heads=4", "kv_heads=2", "head_dim=16", "hidden=32", "vocab=64",
               "chunk=16", "reps=1", "dtype=float32"]
 NO_VLLM = "import sys; sys.modules['vllm'] = None; from spectrain.cli import main; sys.exit(main())"
 
 
 def run(cmd: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    """`cmd` in the repository with `env` over this environment (a None value unsets that variable)."""
     print("$", " ".join(cmd), flush=True)
-    return subprocess.run(cmd, cwd=REPO, env={**os.environ, **(env or {})}, text=True)
+    merged = {**os.environ, **(env or {})}
+    return subprocess.run(cmd, cwd=REPO, env={k: v for k, v in merged.items() if v is not None}, text=True)
+
+
+def compile_offline() -> str:
+    """The dry run's stand-in for the GPU's own compile: every kernel built for sm_90 here."""
+    cmd = [sys.executable, "-m", "tests.triton_compile", "--arch", "90"]
+    proc = run(cmd, {"TRITON_INTERPRET": None})
+    assert proc.returncode == 0, f"offline compile for sm_90 exited {proc.returncode} (its output is above)"
+    return " ".join(cmd[1:])
 
 
 def check_environment(gpu: bool) -> str:
@@ -61,32 +74,22 @@ def run_tests(gpu: bool) -> str:
         proc = run(cmd, {"SPECTRAIN_REQUIRE_GPU": "1"})
     else:
         cmd = [sys.executable, "-m", "pytest", "-q", "-ra", "-m", "not gpu and not slow", *KERNEL_TESTS]
-        proc = run(cmd, {"TRITON_INTERPRET": "1"})
+        proc = run(cmd, INTERPRETER)
     assert proc.returncode == 0, f"pytest exited {proc.returncode} (its output is above)"
     return " ".join(cmd[3:])
-
-
-def fit_metrics(run_dir: Path) -> list[dict]:
-    rows = []
-    for path in sorted((run_dir / "logs").glob("version_*/metrics.csv")):
-        with open(path) as f:
-            rows += list(csv.DictReader(f))
-    return rows
-
-
-def values(rows: list[dict], key: str) -> list[float]:
-    return [float(r[key]) for r in rows if r.get(key)]
 
 
 def run_fit(gpu: bool, work: Path) -> dict:
     run_dir = work / "fit"
     shutil.rmtree(run_dir, ignore_errors=True)
-    args = ["fit", "tiny_cpu", *FIT, f"trainer.accelerator={'cuda' if gpu else 'cpu'}",
-            f"trainer.run_dir={run_dir}"]
-    proc = run([sys.executable, "-c", NO_VLLM, *args])
+    device = ["trainer.accelerator=cuda"] if gpu else ["trainer.accelerator=cpu", *FIT_DRY_RUN]
+    proc = run([sys.executable, "-c", NO_VLLM, "fit", "tiny_cpu", *FIT, *device, f"trainer.run_dir={run_dir}"],
+               None if gpu else INTERPRETER)
     assert proc.returncode == 0, f"spectrain fit exited {proc.returncode} (its output is above)"
-    rows = fit_metrics(run_dir)
-    summary = {key: values(rows, key) for key in ("policy/loss", "draft/loss", "reward", "policy/engine_logprob_diff",
+    from tests.helpers import column, metrics  # the suite's reader of a run's metrics.csv
+
+    rows = metrics(run_dir)
+    summary = {key: column(rows, key) for key in ("policy/loss", "draft/loss", "reward", "policy/engine_logprob_diff",
                                                   "rollout/tokens_per_s", "time/step")}
     assert len(summary["policy/loss"]) == FIT_STEPS, f"{len(summary['policy/loss'])} of {FIT_STEPS} steps logged"
     for key, xs in summary.items():
@@ -98,7 +101,7 @@ def run_fit(gpu: bool, work: Path) -> dict:
 
 def run_bench(gpu: bool, out: Path) -> dict:
     args = [f"out={out}"] + ([] if gpu else BENCH_TINY)
-    proc = run([sys.executable, "-m", "spectrain.cli", "bench", "kernels", *args])
+    proc = run([sys.executable, "-m", "spectrain.cli", "bench", "kernels", *args], None if gpu else INTERPRETER)
     assert proc.returncode == 0, f"spectrain bench kernels exited {proc.returncode} (its output is above)"
     result = json.loads((out / "kernels.json").read_text())
     return {k: result[k] for k in ("ttt_attention_speedup_triton_over_torch",
@@ -108,11 +111,16 @@ def run_bench(gpu: bool, out: Path) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=("gpu", "cpu-dry-run"), default="gpu")
-    gpu = parser.parse_args().mode == "gpu"
-    out = REPO / ("docs/benchmarks/gpu" if gpu else "runs/gpu_check_dry_run")
+    parser.add_argument("--out", type=Path, help="results folder (default docs/benchmarks/gpu; dry run: runs/...)")
+    args = parser.parse_args()
+    gpu = args.mode == "gpu"
+    out = args.out or REPO / ("docs/benchmarks/gpu" if gpu else "runs/gpu_check_dry_run")
     out.mkdir(parents=True, exist_ok=True)
     steps = {"environment": lambda: check_environment(gpu), "tests": lambda: run_tests(gpu),
-             "fit": lambda: run_fit(gpu, REPO / "runs" / "gpu_check"), "bench": lambda: run_bench(gpu, out)}
+             "fit": lambda: run_fit(gpu, REPO / "runs" / ("gpu_check" if gpu else "gpu_check_dry_run")),
+             "bench": lambda: run_bench(gpu, out)}
+    if not gpu:
+        steps["compile"] = compile_offline
     report, start = {"mode": "gpu" if gpu else "cpu-dry-run", "steps": {}}, time.time()
     for name, step in steps.items():
         began = time.time()
@@ -123,6 +131,8 @@ def main() -> int:
         report["steps"][name] = {"ok": ok, "seconds": round(time.time() - began, 1), "detail": detail}
         print(f"[gpu_check] {name}: {'ok' if ok else 'FAILED'} ({report['steps'][name]['seconds']} s) {detail}",
               flush=True)
+        if name == "environment" and not ok:
+            break  # without the GPU or its packages every later step would only fail the same way
     report["seconds"] = round(time.time() - start, 1)
     report["within_budget"] = report["seconds"] <= BUDGET_S
     (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))

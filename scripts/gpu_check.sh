@@ -4,6 +4,7 @@
 #
 #   scripts/gpu_check.sh                # a single-GPU machine: CUDA torch >= 2.11, triton, transformers, lightning
 #   scripts/gpu_check.sh --cpu-dry-run  # here: the same steps on CPU, kernels under the Triton interpreter, tiny sizes
+#   --out DIR                           # where the results go (default docs/benchmarks/gpu, dry run runs/gpu_check_dry_run)
 #
 # Installs nothing from the network and needs no vLLM. The project goes on PYTHONPATH (a staging folder of
 # symlinks laid out as the installed package). A pure-Python package the machine lacks (omegaconf) comes from
@@ -12,12 +13,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-MODE=gpu
-case "${1:-}" in
-  "") ;;
-  --cpu-dry-run) MODE=cpu-dry-run ;;
-  *) echo "usage: $0 [--cpu-dry-run]" >&2; exit 2 ;;
-esac
+ARGS=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --cpu-dry-run) ARGS+=(--mode cpu-dry-run); shift ;;
+    --out) [[ $# -ge 2 ]] || { echo "usage: $0 [--cpu-dry-run] [--out DIR]" >&2; exit 2; }; ARGS+=(--out "$2"); shift 2 ;;
+    *) echo "usage: $0 [--cpu-dry-run] [--out DIR]" >&2; exit 2 ;;
+  esac
+done
 
 STAGE=$(mktemp -d -t spectrain_gpu_check.XXXXXX)
 trap 'rm -rf "$STAGE"' EXIT
@@ -35,4 +38,4 @@ mkdir -p "$STAGE/src/spectrain"
 for entry in spectrain/*; do ln -s "$PWD/$entry" "$STAGE/src/$entry"; done
 for sub in kernels callbacks recipes; do ln -s "$PWD/$sub" "$STAGE/src/spectrain/$sub"; done
 export PYTHONPATH="$STAGE/src:$STAGE/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-exec "$PY" scripts/gpu_check.py --mode "$MODE"
+exec "$PY" scripts/gpu_check.py ${ARGS[@]+"${ARGS[@]}"}

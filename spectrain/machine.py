@@ -1,4 +1,4 @@
-"""Which machine a measurement comes from: absolute timings are only valid with it."""
+"""Which machine a measurement comes from (absolute timings are only valid with it), and which device a run uses."""
 from __future__ import annotations
 
 import os
@@ -15,3 +15,10 @@ def machine_label() -> str:
              if line.startswith("model name")] if cpuinfo.is_file() else []
     cpu = names[0] if names else platform.processor() or platform.machine()
     return f"{cpu}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+
+
+def resolve_device(accelerator: str) -> torch.device:
+    """The trainer's device for `trainer.accelerator` (Lightning's `auto` takes CUDA when there is one)."""
+    if accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -162,31 +162,67 @@ class _RecomputeOps(_PackedOps):
         return recompute_backward(self._part, dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
 
 
+@functools.cache
+def _varlen_api() -> tuple[frozenset[str], frozenset[str]]:
+    """The argument names of this torch's ``varlen_attn`` and of its backward op: they grew between torch
+    releases (``scale``, ``window_size``, ``enable_gqa`` are newer than ``is_causal``), so calls name only
+    what the installed torch takes."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    backward = torch.ops.torch_attn._varlen_attn_backward.default._schema.arguments
+    return frozenset(inspect.signature(varlen_attn).parameters), frozenset(a.name for a in backward)
+
+
 class VarlenOps(_HalfKernelOps):
-    """torch's own ``varlen_attn`` (the flash kernels shipped inside torch): the default CUDA backend."""
+    """torch's own ``varlen_attn`` (the flash kernels shipped inside torch): the default CUDA backend.
+
+    Older torch releases take no ``scale`` (q is pre-scaled instead, and dq rescaled), no ``window_size``
+    (``is_causal`` instead) and no GQA flag (k and v are repeated per q head, their gradients summed).
+    """
 
     name = "varlen"
+
+    def _inputs(self, q, k, v, scale):
+        """q, k, v as this torch's kernel takes them, the kwargs that say so, and dq's rescale factor."""
+        fwd, _ = _varlen_api()
+        dt, group = self._dtype(q), q.shape[1] // k.shape[1]
+        default_scale = q.shape[-1] ** -0.5
+        factor = 1.0 if "scale" in fwd or scale is None else scale / default_scale
+        kwargs = {"scale": scale} if "scale" in fwd else {}
+        if "enable_gqa" in fwd:
+            kwargs["enable_gqa"] = group > 1
+        elif group > 1:
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        return [x.to(dt).contiguous() for x in (q * factor, k, v)], kwargs, factor
 
     @_autocast_off
     def _forward(self, q, k, v, cu_q, cu_k, causal, scale):
         from torch.nn.attention.varlen import AuxRequest, varlen_attn
 
-        dt = self._dtype(q)
-        cu_q, cu_k, max_q, max_k = _varlen_meta(cu_q, cu_k, q)
-        out, lse = varlen_attn(*(x.to(dt).contiguous() for x in (q, k, v)), cu_q, cu_k, max_q, max_k,
-                               return_aux=AuxRequest(lse=True), scale=scale,
-                               window_size=(-1, 0) if causal else (-1, -1), enable_gqa=q.shape[1] != k.shape[1])
+        fwd, _ = _varlen_api()
+        (qk, kk, vk), kwargs, _ = self._inputs(q, k, v, scale)
+        if "window_size" in fwd:
+            kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+        else:
+            kwargs["is_causal"] = causal
+        out, lse = varlen_attn(qk, kk, vk, *_varlen_meta(cu_q, cu_k, q), return_aux=AuxRequest(lse=True), **kwargs)
         return out.to(q.dtype), _lse_from_kernel(lse, q)
 
     @_autocast_off
     def _backward(self, dout, q, k, v, out, lse, cu_q, cu_k, causal, scale):
-        dt = self._dtype(q)
-        cu_q, cu_k, max_q, max_k = _varlen_meta(cu_q, cu_k, q)
+        _, bwd = _varlen_api()
+        (qk, kk, vk), _, factor = self._inputs(q, k, v, scale)
+        extra = [scale] if "scale" in bwd else []
+        if "window_size" in bwd:
+            extra = [scale, [-1, 0] if causal else [-1, -1]]
         rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout
+        dt = qk.dtype
         dq, dk, dv = torch.ops.torch_attn._varlen_attn_backward(
-            *(x.to(dt).contiguous() for x in (dout, q, k, v, out)), _lse_to_kernel(lse), cu_q, cu_k, max_q, max_k,
-            causal, rng_state, scale, [-1, 0] if causal else [-1, -1])
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+            dout.to(dt).contiguous(), qk, kk, vk, out.to(dt).contiguous(), _lse_to_kernel(lse),
+            *_varlen_meta(cu_q, cu_k, q), causal, rng_state, *extra)
+        if dk.shape[1] != k.shape[1]:  # repeated for a torch without GQA: a kv head's gradient sums its group
+            dk, dv = (g.view(g.shape[0], k.shape[1], -1, g.shape[-1]).sum(2) for g in (dk, dv))
+        return (dq * factor).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 @functools.cache

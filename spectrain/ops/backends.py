@@ -47,10 +47,10 @@ from spectrain.ops.backend_ops import (INSTALL, FlashAttnOps, FlexOps, Transform
 FLASH_KERNELS = ("varlen", "flash_attn", "te")  # CUDA-only fp16 / bf16 kernels
 
 
-def _triton_ops():
+def _triton_ops(half_dtype: torch.dtype | None = None):
     from spectrain.kernels.attention_triton import TritonAttentionOps
 
-    return TritonAttentionOps()
+    return TritonAttentionOps(half_dtype=half_dtype)
 
 
 def _varlen_runs_here() -> bool:
@@ -129,6 +129,16 @@ class AutoAttentionOps:
             self.resolved[device.type] = build_attention_ops(name, self.half_dtype)
         return self.resolved[device.type]
 
+    def ttt_ops(self, device: torch.device):
+        """On CUDA the draft's TTT attention takes the fused Triton trunk + branch kernel, whatever the trunk's
+        backend (one kernel instead of trunk, branch and merge); elsewhere the trunk's own path."""
+        if device.type != "cuda" or importlib.util.find_spec("triton") is None:
+            return None
+        if "ttt" not in self.resolved:
+            _say_once("[spectrain] policy.attention_backend=auto -> the draft's TTT attention on the fused Triton kernel")
+            self.resolved["ttt"] = _triton_ops(self.half_dtype)
+        return self.resolved["ttt"]
+
     def forward(self, q, *args, **kwargs):
         return self.ops_for(q.device).forward(q, *args, **kwargs)
 
@@ -144,7 +154,7 @@ def build_attention_ops(name: str, half_dtype: torch.dtype | None = None):
     """
     if name == "auto":
         return AutoAttentionOps(half_dtype)
-    builders = {"torch": LocalAttentionOps, "flex": FlexOps, "triton": _triton_ops,
+    builders = {"torch": LocalAttentionOps, "flex": FlexOps, "triton": lambda: _triton_ops(half_dtype),
                 "varlen": lambda: VarlenOps(half_dtype), "flash_attn": lambda: FlashAttnOps(half_dtype),
                 "te": lambda: TransformerEngineOps(half_dtype)}
     if name not in builders:

@@ -84,24 +84,32 @@ def _trunk_and_branch_backward(dout, q, keys, values, out, lse, cu_seqlens, scal
     return dq, dks, dvs
 
 
+def fused_ttt_ops(ops, device: torch.device):
+    """The ops that run trunk and branch in one kernel on `device` (Triton's; `auto` offers them on CUDA), or
+    None: ops without ``ttt_ops`` (torch, ring attention under CP, ...) take trunk + closed-form branch."""
+    pick = getattr(ops, "ttt_ops", None)
+    return pick(device) if pick is not None else None
+
+
 class _TTTAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, cu_seqlens, scale, ops, n_pass, *kv):
         keys, values = kv[:n_pass], kv[n_pass:]
-        if hasattr(ops, "ttt_forward"):  # trunk and branch in one fused kernel
-            out, lse = ops.ttt_forward(q, list(keys), list(values), cu_seqlens, scale)
+        fused = fused_ttt_ops(ops, q.device)
+        if fused is not None:  # trunk and branch in one fused kernel
+            out, lse = fused.ttt_forward(q, list(keys), list(values), cu_seqlens, scale)
         else:
             out, lse = _trunk_and_branch_forward(q, keys, values, cu_seqlens, scale, ops)
         ctx.save_for_backward(q, cu_seqlens, out, lse, *kv)
-        ctx.scale, ctx.ops, ctx.n_pass = scale, ops, n_pass
+        ctx.scale, ctx.ops, ctx.fused, ctx.n_pass = scale, ops, fused, n_pass
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, cu_seqlens, out, lse, *kv = ctx.saved_tensors
         keys, values = kv[: ctx.n_pass], kv[ctx.n_pass :]
-        if hasattr(ctx.ops, "ttt_backward"):
-            dq, dks, dvs = ctx.ops.ttt_backward(
+        if ctx.fused is not None:
+            dq, dks, dvs = ctx.fused.ttt_backward(
                 dout, q, list(keys), list(values), out, lse, cu_seqlens, ctx.scale
             )
         else:

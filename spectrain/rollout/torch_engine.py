@@ -30,13 +30,6 @@ from spectrain.rollout.vllm.weight_probe import ProbeResult
 SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it decodes greedily
 
 
-def resolve_device(accelerator: str) -> torch.device:
-    """The trainer's device for `trainer.accelerator` (Lightning's `auto` takes CUDA when there is one)."""
-    if accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of tokens whose probability reaches `top_p` (at least one); vLLM's order of ops."""
     ordered, index = logits.sort(dim=-1, descending=False)
@@ -96,12 +89,14 @@ class TorchSamplingEngine:
 
     def __init__(self, policy_dir: str | Path, device: str | torch.device = "cpu", dtype: str = "float32",
                  max_model_len: int = 128, eos_token_ids: Sequence[int] | None = None,
-                 max_num_seqs: int = 256) -> None:
+                 max_num_seqs: int = 256, attention_ops=None) -> None:
         self.policy_dir, self.device = Path(policy_dir), torch.device(device)
         if not (self.policy_dir / "config.json").is_file():
             raise RolloutEngineError(f"{policy_dir} has no config.json: export the policy first "
                                      f"(save_pretrained) or fix the path")
         self.policy = load_pretrained(policy_dir, getattr(torch, dtype), self.device).eval().requires_grad_(False)
+        if attention_ops is not None:  # the trainer's `policy.attention_backend`
+            self.policy.attention_ops = attention_ops
         if eos_token_ids is None:
             eos = self.policy.cfg.eos_token_id
             eos_token_ids = () if eos is None else [eos] if isinstance(eos, int) else eos

@@ -15,6 +15,7 @@ import torch
 
 from spectrain.config import SpecTrainConfig
 from spectrain.errors import ConfigError
+from spectrain.machine import resolve_device
 from spectrain.models.llama import LlamaConfig, LlamaForCausalLM
 
 
@@ -124,11 +125,17 @@ def attention_backend(config: SpecTrainConfig) -> dict[str, str]:
     """`policy.attention_backend` checked for the trainer's device at start-up (a backend that cannot run there
     is a ConfigError now, not at the first step), and what it runs there (`auto` resolved)."""
     from spectrain.ops.backends import check_attention_backend
-    from spectrain.rollout.torch_engine import resolve_device
 
     name, device = config.policy.attention_backend, resolve_device(config.trainer.accelerator).type
     return {"configured": name, "device": device,
             "resolved": check_attention_backend(name, device, _attention_half_dtype(config))}
+
+
+def check_draft_loss_kernel(config: SpecTrainConfig) -> str:
+    """`draft.loss_kernel` checked for the trainer's device at start-up; what runs there (`auto` resolved)."""
+    from spectrain.ops.draft_loss import resolve_loss_kernel
+
+    return resolve_loss_kernel(config.draft.loss_kernel, resolve_device(config.trainer.accelerator))
 
 
 def policy_attention_ops(config: SpecTrainConfig):

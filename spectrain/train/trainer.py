@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from spectrain.config import SpecTrainConfig
 from spectrain.errors import ConfigError
+from spectrain.machine import resolve_device
 from spectrain.models.hf_io import save_pretrained
 from spectrain.models.llama import LlamaForCausalLM
 from spectrain.train import inputs
@@ -144,10 +145,11 @@ class SpecTrainer:
         r, d = self.config.rollout, self.config.draft
         dtype = r.dtype if r.dtype != "auto" else self.config.policy.dtype
         if r.engine == "torch":
-            from spectrain.rollout.torch_engine import TorchSamplingEngine, resolve_device
+            from spectrain.rollout.torch_engine import TorchSamplingEngine
 
             return TorchSamplingEngine(policy_dir, resolve_device(self.config.trainer.accelerator), dtype,
-                                       r.max_model_len, eos_token_ids=[self.tokenizer.eos_id])
+                                       r.max_model_len, eos_token_ids=[self.tokenizer.eos_id],
+                                       attention_ops=inputs.policy_attention_ops(self.config))
         from spectrain.rollout.speculation.calibration import ensure_verify_budget
         from spectrain.rollout.speculation.controllers import engine_spec_schedule
         from spectrain.rollout.vllm.engine import VLLMRolloutEngine
@@ -293,7 +295,8 @@ class SpecTrainer:
         self._check_logger()
         self._check_engine_inputs(pretrained.head_dim if pretrained is not None else None)
         self.check_warmstart_cache()
-        inputs.attention_backend(self.config)  # a backend this device cannot run fails now, not at the first step
+        inputs.attention_backend(self.config)  # a kernel this device cannot run fails now, not at the first step
+        inputs.check_draft_loss_kernel(self.config)
         return resume
 
     def build_inputs(self) -> None:

@@ -96,11 +96,15 @@ def sft_enabled(config) -> bool:
     return config.policy.path is None if config.sft.enabled is None else config.sft.enabled
 
 
+RUNTIME_POLICY_KEYS = ("attention_backend",)  # how the policy runs, not what the warm start trains: the SFT runs on
+# the default torch ops, and backends agree to rounding
+
+
 def policy_cache_key(config) -> dict:
     """Everything the SFT'd policy depends on: for a pretrained policy also its identity (path and config hash),
     so another checkpoint at the same path never reuses the cache; for prompt files, the data and tokenizer keys."""
-    key = {"policy": asdict(config.policy), "task": asdict(config.task), "sft": asdict(config.sft),
-           "seed": config.trainer.seed}
+    policy = {k: v for k, v in asdict(config.policy).items() if k not in RUNTIME_POLICY_KEYS}
+    key = {"policy": policy, "task": asdict(config.task), "sft": asdict(config.sft), "seed": config.trainer.seed}
     if config.task.name == "files":
         key.update(data=asdict(config.data), tokenizer=asdict(config.tokenizer))
     if config.policy.path is not None:

@@ -427,3 +427,29 @@ def test_a_cache_appears_in_one_rename_and_never_over_another(tmp_path):
         with writing_cache(cache) as scratch:  # a second run that trained at the same time
             (scratch / CACHE_META).write_text(json.dumps({"settings": {"seed": 0}}))
     assert tree_state(tmp_path) == before
+
+
+# the GPU path asked for on this CPU machine (the kernels' interpreter off, as on a real CPU run) --------------------
+CPU = "trainer.accelerator=cpu"
+GPU_PATH_ROWS = [
+    ("unknown attention backend", [*FIT, NEW, "policy.attention_backend=cudnn"],
+     r"policy\.attention_backend: 'cudnn' is not one of", None),
+    ("varlen on a CPU run", [*FIT, NEW, CPU, "policy.attention_backend=varlen"],
+     r"policy\.attention_backend: .*varlen.*CUDA", None),
+    ("flash-attn not installed", [*FIT, NEW, CPU, "policy.attention_backend=flash_attn"],
+     r'policy\.attention_backend: .*pip install -e "\.\[flash-attn\]"', None),
+    ("triton attention on CPU", [*FIT, NEW, CPU, "policy.attention_backend=triton"],
+     r"policy\.attention_backend: .*TRITON_INTERPRET", None),
+    ("triton draft loss on CPU", [*FIT, NEW, CPU, "draft.loss_kernel=triton"], r"draft\.loss_kernel=triton needs", None),
+    ("unknown rollout engine", [*FIT, NEW, "rollout.engine=sglang"], r"rollout\.engine: 'sglang' is not one of", None),
+    ("torch engine with the bandit", [*FIT, NEW, "rollout.engine=torch", "speculation.mode=bandit"],
+     r"speculation\.mode.*rollout\.engine=torch", None),
+    ("fsdp with pipeline stages", [*FIT, NEW, "parallel.fsdp=true", "parallel.pp=2"], r"parallel\.fsdp", None),
+    ("fsdp with nothing to shard over", [*FIT, NEW, "parallel.fsdp=true"], r"parallel\.fsdp", None),
+]
+
+
+@pytest.mark.parametrize("argv, pattern, setup", [r[1:] for r in GPU_PATH_ROWS], ids=[r[0] for r in GPU_PATH_ROWS])
+def test_gpu_path_asked_for_where_it_cannot_run_is_refused(world, monkeypatch, capsys, argv, pattern, setup):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert_refused(world, monkeypatch, capsys, argv, pattern, setup)

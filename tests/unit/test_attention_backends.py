@@ -124,6 +124,54 @@ def test_joint_statistics_backward_of_two_merged_parts(name):
     _joint_statistics(build_attention_ops(name), CPU_BACKENDS[name])
 
 
+class _OldTorchVarlen:
+    """A CPU stand-in for the flash kernels behind an older torch's varlen API (``is_causal``, no ``scale``,
+    no GQA): dense math with the kernels' conventions (``[H, T]`` lse). It proves VarlenOps' adapter, which
+    pre-scales q, repeats k/v per q head and sums their gradients back; the kernels themselves run on GPUs."""
+
+    def __init__(self):
+        self.calls = []
+
+    def _mask(self, cu_q, cu_k, causal):
+        return dense_mask(cu_q.diff().tolist(), cu_k.diff().tolist(), causal)
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None):
+        assert q.shape[1] == k.shape[1], "this API has no GQA: k and v must come repeated"
+        self.calls.append("forward")
+        out, lse = dense_attention(q, k, v, self._mask(cu_q, cu_k, is_causal), None)
+        return out, lse.t()
+
+    def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, rng_state):
+        assert q.shape[1] == k.shape[1] and lse.shape == (q.shape[1], q.shape[0])
+        self.calls.append("backward")
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        with torch.enable_grad():
+            out_p, _ = dense_attention(*leaves, self._mask(cu_q, cu_k, is_causal), None)
+            return torch.autograd.grad(out_p, leaves, dout)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_varlen_adapts_to_an_older_torch_api(case, monkeypatch):
+    """GPUs may have an older torch than this one: the same VarlenOps call is right on its API too."""
+    import torch.nn.attention.varlen as varlen
+
+    old = _OldTorchVarlen()
+    monkeypatch.setattr(backend_ops, "_varlen_api", lambda: (
+        frozenset({"query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k", "is_causal", "return_aux"}),
+        frozenset({"grad_out", "query", "key", "value", "out", "lse", "cu_seq_q", "cu_seq_k", "max_q", "max_k",
+                   "is_causal", "rng_state"})))
+    monkeypatch.setattr(varlen, "varlen_attn", old.forward)
+    monkeypatch.setattr(torch.ops.torch_attn, "_varlen_attn_backward", old.backward)
+    lens_q, lens_k, causal = CASES[case]
+    q, k, v, dout = _inputs(lens_q, lens_k, torch.float32)
+    ops, scale = backend_ops.VarlenOps(half_dtype=torch.float32), 0.3  # not the kernel's default D**-0.5
+    cu_q, cu_k = cu_of(lens_q), cu_of(lens_k)
+    out, lse = ops.forward(q, k, v, cu_q, cu_k, causal, scale)
+    grads = ops.backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
+    assert old.calls == ["forward", "backward"]
+    _check((out, lse, *grads), _reference(q, k, v, dout, dense_mask(lens_q, lens_k, causal), scale), torch.float32)
+
+
 def _dense_out_only(q, k, v, cu_q, cu_k, causal, scale):
     """An out-only kernel (as Transformer Engine's): end-aligned causal when k is longer (the sink)."""
     mask_mod = backend_ops.doc_mask(cu_q, cu_k, q.shape[0], k.shape[0], causal)
