@@ -16,8 +16,9 @@ flash_attn  CUDA, when installed [5]_ fp16, bf16 [1]_   flash-attn, from (out, l
 te          CUDA, when installed [5]_ fp16, bf16 [1]_   recompute [3]_                  no [4]_
 =========== ========================= ================= =============================== ====
 
-``auto`` resolves per device on the first call: CPU -> torch; CUDA -> flash_attn if installed,
-else varlen, else triton, else flex (16-bit-only kernels are skipped for float32 runs).
+``auto`` resolves per device on the first call: CPU -> torch; CUDA -> the fastest of flash_attn (if
+installed), varlen and triton, timed forward + backward on that call's own tensors (16-bit-only
+kernels are skipped for float32 runs; flex only when none of them can run).
 
 .. [1] 16-bit kernels. In a bf16 run (``policy.dtype=bfloat16``) attention sees float32 q/k/v
    (rotary tables promote them under autocast): they are computed in bf16 (``half_dtype``).
@@ -35,7 +36,9 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import statistics
 import sys
+import time
 
 import torch
 
@@ -65,21 +68,43 @@ def _triton_runs_here(device_type: str) -> bool:
         device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
 
 
-def resolve_auto(device_type: str, half_dtype: torch.dtype | None) -> tuple[str, str]:
-    """The backend `auto` runs on `device_type`, and why."""
+def auto_candidates(device_type: str, half_dtype: torch.dtype | None) -> tuple[list[str], str]:
+    """The backends `auto` chooses among on `device_type` (the fastest, timed at the first call), and why these."""
     if device_type != "cuda":
-        return "torch", f"{device_type}: the blockwise torch ops (the flash backends are CUDA-only)"
+        return ["torch"], f"{device_type}: the blockwise torch ops (the flash backends are CUDA-only)"
+    names, notes = [], []
     if half_dtype is None:
-        skipped = "a float32 run skips the 16-bit flash kernels"
-    elif importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attn", "cuda: flash-attn is installed"
-    elif _varlen_runs_here():
-        return "varlen", "cuda: flash-attn not installed; torch's own varlen flash kernels"
+        notes.append("a float32 run skips the 16-bit flash kernels")
     else:
-        skipped = "torch's varlen flash kernels need an sm80+ GPU and a torch built with them"
+        if importlib.util.find_spec("flash_attn") is not None:
+            names.append("flash_attn")
+        if _varlen_runs_here():
+            names.append("varlen")
+        else:
+            notes.append("torch's varlen flash kernels need an sm80+ GPU and a torch built with them")
     if _triton_runs_here(device_type):
-        return "triton", f"cuda: {skipped}; the Triton kernels"
-    return "flex", f"cuda: {skipped} and Triton is missing; FlexAttention"
+        names.append("triton")
+    return names or ["flex"], "; ".join(["cuda", *notes])
+
+
+def time_backend(ops, q, k, v, cu_q, cu_k, causal, scale, reps: int = 3) -> float:
+    """Median seconds of one forward + backward of `ops` on a call's own tensors (after a warm-up that compiles)."""
+    def once() -> float:
+        start = time.perf_counter()
+        out, lse = ops.forward(q, k, v, cu_q, cu_k, causal, scale)
+        ops.backward(out, q, k, v, out, lse, cu_q, cu_k, causal, scale)
+        if q.is_cuda:
+            torch.cuda.synchronize(q.device)
+        return time.perf_counter() - start
+
+    once()
+    return statistics.median(once() for _ in range(reps))
+
+
+def fastest(names: list[str], half_dtype: torch.dtype | None, *call) -> tuple[str, dict[str, float]]:
+    """The backend among `names` that runs `call` (q, k, v, cu_q, cu_k, causal, scale) fastest, and every timing."""
+    timings = {name: time_backend(build_attention_ops(name, half_dtype), *call) for name in names}
+    return min(timings, key=timings.get), timings
 
 
 def check_attention_backend(name: str, device_type: str, half_dtype: torch.dtype | None = None) -> str:
@@ -88,7 +113,8 @@ def check_attention_backend(name: str, device_type: str, half_dtype: torch.dtype
     if name not in BACKENDS:
         raise backend_error(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
     if name == "auto":
-        return resolve_auto(device_type, half_dtype)[0]
+        names, _ = auto_candidates(device_type, half_dtype)
+        return names[0] if len(names) == 1 else f"the fastest of {', '.join(names)} (timed at the first call)"
     if name in INSTALL:
         import_installed(name)
     if name in FLASH_KERNELS:
@@ -112,7 +138,8 @@ def _say_once(message: str) -> None:
 
 
 class AutoAttentionOps:
-    """`auto`: the backend is resolved per device type on the first call (and said once on stderr)."""
+    """`auto`: per device type, the fastest available backend, timed on the first call's own tensors (forward
+    and backward), and said once on stderr with the timings; later calls on that device go straight to it."""
 
     def __init__(self, half_dtype: torch.dtype | None = None) -> None:
         self.half_dtype = half_dtype
@@ -122,12 +149,17 @@ class AutoAttentionOps:
     def supports_context_parallel(self) -> bool:
         return all(getattr(ops, "supports_context_parallel", True) for ops in self.resolved.values())
 
-    def ops_for(self, device: torch.device):
-        if device.type not in self.resolved:
-            name, why = resolve_auto(device.type, self.half_dtype)
-            _say_once(f"[spectrain] policy.attention_backend=auto -> {name} ({why})")
-            self.resolved[device.type] = build_attention_ops(name, self.half_dtype)
-        return self.resolved[device.type]
+    def ops_for(self, q, k, v, cu_q, cu_k, causal, scale=None):
+        device = q.device.type
+        if device not in self.resolved:
+            names, why = auto_candidates(device, self.half_dtype)
+            name, timings = (names[0], {}) if len(names) == 1 else fastest(names, self.half_dtype, q.detach(),
+                                                                          k.detach(), v.detach(), cu_q, cu_k,
+                                                                          causal, scale)
+            timed = ", ".join(f"{n} {1e3 * t:.2f} ms" for n, t in timings.items())
+            _say_once(f"[spectrain] policy.attention_backend=auto -> {name} ({why}{'; ' + timed if timed else ''})")
+            self.resolved[device] = build_attention_ops(name, self.half_dtype)
+        return self.resolved[device]
 
     def ttt_ops(self, device: torch.device):
         """On CUDA the draft's TTT attention takes the fused Triton trunk + branch kernel, whatever the trunk's
@@ -139,11 +171,13 @@ class AutoAttentionOps:
             self.resolved["ttt"] = _triton_ops(self.half_dtype)
         return self.resolved["ttt"]
 
-    def forward(self, q, *args, **kwargs):
-        return self.ops_for(q.device).forward(q, *args, **kwargs)
+    def forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale=None):
+        return self.ops_for(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale).forward(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
 
-    def backward(self, dout, q, *args, **kwargs):
-        return self.ops_for(q.device).backward(dout, q, *args, **kwargs)
+    def backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale=None):
+        return self.ops_for(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale).backward(
+            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale)
 
 
 def build_attention_ops(name: str, half_dtype: torch.dtype | None = None):

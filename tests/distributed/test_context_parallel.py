@@ -175,17 +175,21 @@ def _fit(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.timeout(3000)
-def test_fit_cp2_reproduces_cp1_losses(tmp_path):
-    """`spectrain fit ... parallel.cp=2` (relaunched under torchrun) logs the cp=1 losses of the first
-    steps: the rollout is the same (rank 0's engine, same seed), the step is split in zigzag shards."""
-    one = _fit(tmp_path, "cp1")  # fills the shared warm-start cache; cp=2 reads it
-    two = _fit(tmp_path, "cp2", "parallel.cp=2")
-    assert len(one) == len(two) == 3
+def test_fit_cp2_and_sharded_dp2_reproduce_one_process_losses(tmp_path):
+    """`spectrain fit ... parallel.cp=2`, and `parallel.dp=2 parallel.fsdp=true` (both relaunched under
+    torchrun, vLLM on rank 0) log the one-process losses of the first steps: the rollout is the same (rank 0's
+    engine, same seed); the step is split in zigzag shards, or in document shares over FSDP2-sharded models
+    whose gathered weights the engine then serves (its logprobs equal the trainer's)."""
+    one = _fit(tmp_path, "cp1")  # fills the shared warm-start cache; the others read it
     assert all(float(r["policy/grad_norm"]) > 0 for r in one), "no policy gradient: the check would be vacuous"
-    for step, (a, b) in enumerate(zip(one, two)):
-        for col in FIT_COLUMNS:
-            x, y = float(a[col]), float(b[col])
-            assert abs(x - y) <= FIT_RTOL * abs(x) + FIT_ATOL, f"step {step} {col}: cp=1 {x} vs cp=2 {y}"
+    for name, overrides in (("cp2", ["parallel.cp=2"]), ("fsdp_dp2", ["parallel.dp=2", "parallel.fsdp=true"])):
+        other = _fit(tmp_path, name, *overrides)
+        assert len(one) == len(other) == 3
+        for step, (a, b) in enumerate(zip(one, other)):
+            for col in FIT_COLUMNS:
+                x, y = float(a[col]), float(b[col])
+                assert abs(x - y) <= FIT_RTOL * abs(x) + FIT_ATOL, f"step {step} {col}: one process {x} vs {name} {y}"
+            assert float(b["policy/engine_logprob_diff"]) < 1e-5 and float(b["sync/mismatches"]) == 0, (name, b)
 
 
 # ---------------------------------------------------------------------------------- bench baselines

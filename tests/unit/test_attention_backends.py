@@ -209,6 +209,24 @@ def test_auto_on_cpu_resolves_to_torch_and_says_so_once(capfd):
     check_cp_attention_ops(ops)
 
 
+def test_auto_takes_the_fastest_candidate_timed_on_the_first_call(monkeypatch, capfd):
+    """On CUDA `auto` times its candidates on the first call; here the same logic over two CPU backends."""
+    monkeypatch.setattr(backends, "auto_candidates", lambda device, half: (["torch", "flex"], "two candidates"))
+    backends._say_once.cache_clear()
+    lens_q, lens_k, causal = CASES["causal"]
+    q, k, v, dout = _inputs(lens_q, lens_k, torch.float64)
+    cu = cu_of(lens_q)
+    name, timings = backends.fastest(["torch", "flex"], None, q, k, v, cu, cu, causal, None)
+    assert set(timings) == {"torch", "flex"} and name == min(timings, key=timings.get)
+    ops = build_attention_ops("auto")
+    out, lse = ops.forward(q, k, v, cu, cu, causal)
+    grads = ops.backward(dout, q, k, v, out, lse, cu, cu, causal)
+    assert type(ops.resolved["cpu"]) in (LocalAttentionOps, FlexOps)
+    said = capfd.readouterr().err
+    assert said.count("policy.attention_backend=auto -> ") == 1 and "torch " in said and "flex " in said, said
+    _check((out, lse, *grads), _reference(q, k, v, dout, dense_mask(lens_q, lens_k, causal)), torch.float64)
+
+
 @pytest.mark.parametrize("name,command", [("flash_attn", 'pip install -e ".[flash-attn]"'),
                                           ("te", 'pip install -e ".[transformer-engine]"')])
 def test_backend_not_installed_says_how_to_get_it(name, command):
@@ -305,7 +323,7 @@ def test_gpu_auto_picks_a_flash_backend_and_takes_float32_of_a_bf16_run():
     cu = cu_of(lens_q).cuda()
     out, lse = ops.forward(q, k, v, cu, cu, causal)
     grads = ops.backward(dout, q, k, v, out, lse, cu, cu, causal)
-    assert type(ops.resolved["cuda"]).__name__ in ("FlashAttnOps", "VarlenOps")
+    assert type(ops.resolved["cuda"]).__name__ in ("FlashAttnOps", "VarlenOps", "TritonAttentionOps")
     _check((out, lse, *grads), _reference(q, k, v, dout, dense_mask(lens_q, lens_k, causal)), torch.bfloat16)
 
 
