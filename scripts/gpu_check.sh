@@ -38,4 +38,7 @@ mkdir -p "$STAGE/src/spectrain"
 for entry in spectrain/*; do ln -s "$PWD/$entry" "$STAGE/src/$entry"; done
 for sub in kernels callbacks recipes; do ln -s "$PWD/$sub" "$STAGE/src/spectrain/$sub"; done
 export PYTHONPATH="$STAGE/src:$STAGE/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-exec "$PY" scripts/gpu_check.py ${ARGS[@]+"${ARGS[@]}"}
+# `python -m` / `-c` would put the working directory (this repository, whose spectrain/ lacks kernels/,
+# callbacks/ and recipes/) ahead of the staged package: keep it off sys.path (pytest appends its rootdir too)
+export PYTHONSAFEPATH=1
+"$PY" scripts/gpu_check.py ${ARGS[@]+"${ARGS[@]}"}

@@ -3,13 +3,14 @@ import os
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-# Triton reads this when a kernel is decorated: without a GPU the kernels run under the interpreter on CPU.
-# `scripts/gpu_check.sh` sets SPECTRAIN_REQUIRE_GPU=1 (and no interpreter): there they compile for real.
-if os.environ.get("SPECTRAIN_REQUIRE_GPU") != "1":
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# Triton reads this when a kernel is decorated (no kernel module is imported yet): without a GPU the kernels run
+# under the interpreter on CPU; on a GPU they compile for real.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from spectrain.tasks.tokenizer import CharTokenizer  # noqa: E402
 from spectrain.models.hf_io import save_pretrained  # noqa: E402

@@ -16,8 +16,10 @@ import torch
 
 from spectrain.errors import ConfigError
 
-INSTALL = {"flash_attn": ("flash_attn", 'pip install -e ".[flash-attn]"'),
-           "te": ("transformer_engine", 'pip install -e ".[transformer-engine]"')}
+# the module a backend runs on (a real import: a flash-attn built for another torch, or Transformer Engine without
+# its torch extension, is "installed" but cannot run), and the command that installs it
+INSTALL = {"flash_attn": ("flash_attn.flash_attn_interface", 'pip install -e ".[flash-attn]"'),
+           "te": ("transformer_engine.pytorch", 'pip install -e ".[transformer-engine]"')}
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -282,23 +284,36 @@ class FlexOps(_RecomputeOps):
 
 
 def import_installed(name: str):
-    """The optional package behind backend `name`, or the error saying how to get it."""
+    """The optional module backend `name` runs on, or the error saying how to get it."""
     module, command = INSTALL[name]
     try:
         return importlib.import_module(module)
-    except ImportError as exc:
-        raise backend_error(f"{name} needs the {module} package, which is not installed ({exc}). Install it with "
-                   f"`{command}` (it compiles against your CUDA toolkit), or use policy.attention_backend=auto, "
-                   f"which runs without it (torch's varlen flash kernels on CUDA)") from exc
+    except Exception as exc:  # not installed, or built for another torch / CUDA (ImportError, OSError, ...)
+        raise backend_error(f"{name} needs {module}, which does not import here ({type(exc).__name__}: {exc}). "
+                            f"Install it with `{command}` (it compiles against your CUDA toolkit), or use "
+                            f"policy.attention_backend=auto, which runs without it (torch's varlen flash kernels "
+                            f"on CUDA)") from exc
+
+
+def installed(name: str) -> bool:
+    """Whether optional backend `name` imports here."""
+    try:
+        import_installed(name)
+    except ConfigError:
+        return False
+    return True
 
 
 def _call_with_known_kwargs(fn, **candidates):
     """Call `fn` with those of `candidates` its signature names: flash-attn renamed arguments across 2.x."""
-    params = inspect.signature(fn).parameters
-    missing = [n for n, p in params.items() if n not in candidates and p.default is inspect.Parameter.empty]
+    # flash-attn >= 2.7 wraps its functions in torch custom ops, whose own signature is (*args, **kwargs)
+    params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    missing = [n for n, p in params.items()
+               if n not in candidates and p.default is inspect.Parameter.empty and p.kind not in variadic]
     if missing:
-        raise ConfigError(f"policy.attention_backend: flash_attn's {fn.__name__} wants {missing}, which this "
-                          f"version of spectrain does not know; use policy.attention_backend=varlen")
+        raise ConfigError(f"policy.attention_backend: flash_attn's {getattr(fn, '__name__', fn)!r} wants {missing}, "
+                          f"which this version of spectrain does not know; use policy.attention_backend=varlen")
     return fn(**{n: v for n, v in candidates.items() if n in params})
 
 
@@ -379,7 +394,7 @@ class TransformerEngineOps(_HalfKernelOps, _RecomputeOps):
 
     def __init__(self, half_dtype: torch.dtype | None = None) -> None:
         super().__init__(half_dtype)
-        self.te = import_installed("te").pytorch
+        self.te = import_installed("te")
         self._modules: dict = {}
 
     def _attend(self, q, k, v, cu_q, cu_k, causal, scale):

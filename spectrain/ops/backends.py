@@ -45,7 +45,7 @@ import torch
 from spectrain.config.schema import ATTENTION_BACKENDS as BACKENDS
 from spectrain.ops.attention import LocalAttentionOps
 from spectrain.ops.backend_ops import (INSTALL, FlashAttnOps, FlexOps, TransformerEngineOps, VarlenOps, backend_error,
-                                       import_installed, kernel_dtype)
+                                       import_installed, installed, kernel_dtype)
 
 FLASH_KERNELS = ("varlen", "flash_attn", "te")  # CUDA-only fp16 / bf16 kernels
 
@@ -76,7 +76,7 @@ def auto_candidates(device_type: str, half_dtype: torch.dtype | None) -> tuple[l
     if half_dtype is None:
         notes.append("a float32 run skips the 16-bit flash kernels")
     else:
-        if importlib.util.find_spec("flash_attn") is not None:
+        if installed("flash_attn"):
             names.append("flash_attn")
         if _varlen_runs_here():
             names.append("varlen")
@@ -102,8 +102,19 @@ def time_backend(ops, q, k, v, cu_q, cu_k, causal, scale, reps: int = 3) -> floa
 
 
 def fastest(names: list[str], half_dtype: torch.dtype | None, *call) -> tuple[str, dict[str, float]]:
-    """The backend among `names` that runs `call` (q, k, v, cu_q, cu_k, causal, scale) fastest, and every timing."""
-    timings = {name: time_backend(build_attention_ops(name, half_dtype), *call) for name in names}
+    """The backend among `names` that runs `call` (q, k, v, cu_q, cu_k, causal, scale) fastest, and every timing.
+
+    A candidate that fails here (a kernel this GPU or these shapes cannot take) is left out, and said so; the
+    last one's error is raised when none runs."""
+    timings, error = {}, None
+    for name in names:
+        try:
+            timings[name] = time_backend(build_attention_ops(name, half_dtype), *call)
+        except Exception as exc:  # any kernel failure: the next candidate may run
+            error = exc
+            _say_once(f"[spectrain] policy.attention_backend=auto: {name} left out ({type(exc).__name__}: {exc})")
+    if not timings:
+        raise error
     return min(timings, key=timings.get), timings
 
 

@@ -7,7 +7,6 @@ kernel; `auto`; the errors of backends that cannot run. On CUDA (`gpu`): varlen,
 and, where installed, flash_attn / te in bf16 against the same reference: atol = rtol = 3e-2 for out,
 5e-2 for lse and the gradients (bf16 keeps 8 bits of mantissa; the gradients sum over a document).
 """
-import importlib.util
 import json
 import os
 import subprocess
@@ -227,10 +226,37 @@ def test_auto_takes_the_fastest_candidate_timed_on_the_first_call(monkeypatch, c
     _check((out, lse, *grads), _reference(q, k, v, dout, dense_mask(lens_q, lens_k, causal)), torch.float64)
 
 
+def test_auto_leaves_out_a_candidate_that_fails_and_says_so(monkeypatch, capfd):
+    backends._say_once.cache_clear()
+    lens_q, lens_k, causal = CASES["causal"]
+    q, k, v, _ = _inputs(lens_q, lens_k, torch.float64)
+    cu = cu_of(lens_q)
+    name, timings = backends.fastest(["te", "torch"], None, q, k, v, cu, cu, causal, None)  # te: not installed
+    assert name == "torch" and list(timings) == ["torch"]
+    assert "auto: te left out (ConfigError" in capfd.readouterr().err
+    with pytest.raises(ConfigError, match="te needs"):
+        backends.fastest(["te"], None, q, k, v, cu, cu, causal, None)
+
+
+@torch.library.custom_op("spectrain_test::scaled_sum", mutates_args=())
+def _scaled_sum(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    return (a + b) * scale
+
+
+def test_flash_attn_arguments_are_read_through_a_torch_custom_op():
+    """flash-attn >= 2.7 wraps its kernels in torch custom ops (signature `*args, **kwargs`): the names it takes
+    still come from the wrapped function, unknown candidates are dropped, a missing one is a clear error."""
+    a, b = torch.ones(2), torch.full((2,), 2.0)
+    out = backend_ops._call_with_known_kwargs(_scaled_sum, a=a, b=b, scale=0.5, window_size=(-1, -1))
+    assert out.tolist() == [1.5, 1.5]
+    with pytest.raises(ConfigError, match=r"wants \['scale'\]"):
+        backend_ops._call_with_known_kwargs(_scaled_sum, a=a, b=b)
+
+
 @pytest.mark.parametrize("name,command", [("flash_attn", 'pip install -e ".[flash-attn]"'),
                                           ("te", 'pip install -e ".[transformer-engine]"')])
 def test_backend_not_installed_says_how_to_get_it(name, command):
-    if importlib.util.find_spec(backend_ops.INSTALL[name][0]) is not None:
+    if backend_ops.installed(name):
         pytest.skip(f"optional: {name} is installed here")
     for attempt in (lambda: build_attention_ops(name), lambda: check_attention_backend(name, "cuda")):
         with pytest.raises(ConfigError, match="policy.attention_backend") as err:
@@ -296,7 +322,7 @@ GPU_BACKENDS = ["varlen", "flex", "triton", "flash_attn", "te"]
 def _gpu_ops(name):
     """The backend on this GPU: varlen / flex / triton must exist on any CUDA torch >= 2.11 (a failure if not);
     flash_attn / te are optional and skip, saying so, when not installed."""
-    if name in backend_ops.INSTALL and importlib.util.find_spec(backend_ops.INSTALL[name][0]) is None:
+    if name in backend_ops.INSTALL and not backend_ops.installed(name):
         pytest.skip(f"optional: {name} is not installed ({backend_ops.INSTALL[name][1]})")
     check_attention_backend(name, "cuda", torch.bfloat16)
     return build_attention_ops(name, torch.bfloat16)
