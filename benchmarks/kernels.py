@@ -10,13 +10,19 @@ Headline ratios are taken side by side in one run: Triton time over torch time f
 memory over unfused peak memory for the loss. Peak memory is CUDA's allocator peak above the inputs (not
 measured on CPU). Writes `kernels.json|md|png` under `out` (default `docs/benchmarks/gpu`).
 
-Usage: `spectrain bench kernels [tokens=4096,...] [key=value ...]`; `scripts/gpu_check.sh --cpu-dry-run` runs it
-with tiny sizes under the Triton interpreter (timings there mean nothing; it checks that every path runs).
+The "torch" attention path is what `policy.attention_backend=torch` runs: the blockwise torch trunk and the
+closed-form branch (on CUDA their log-sum-exp merge is the Triton merge kernel, as in a run).
+
+Usage: `spectrain bench kernels [tokens=4096,...] [key=value ...]`. Without a GPU it is a correctness dry run
+(what `scripts/gpu_check.sh --cpu-dry-run` calls): tiny sizes, the Triton kernels under the interpreter, results
+under `runs/bench_kernels_cpu` (timings there mean nothing; it checks that every path runs).
 """
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -31,7 +37,22 @@ from spectrain.plots import plot_panels
 DEFAULTS = {"tokens": "4096,8192,16384,32768,65536", "doc_tokens": 2048, "heads": 32, "kv_heads": 8,
             "head_dim": 128, "passes": 3, "hidden": 4096, "vocab": 32000, "chunk": 1024, "reps": 5,
             "dtype": "bfloat16", "out": "docs/benchmarks/gpu"}
+CPU_DEFAULTS = {**DEFAULTS, "tokens": "64,128", "doc_tokens": 40, "heads": 4, "kv_heads": 2, "head_dim": 16,
+                "hidden": 32, "vocab": 64, "chunk": 16, "reps": 1, "dtype": "float32", "out": "runs/bench_kernels_cpu"}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+KERNEL_MODULES = ("spectrain.kernels.attention_triton", "spectrain.kernels.draft_loss_triton",
+                  "spectrain.kernels.lse_merge_triton")
+
+
+def use_interpreter() -> None:
+    """Without a GPU the Triton kernels run under the interpreter, which Triton reads when a kernel is defined."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    loaded = [m for m in KERNEL_MODULES if m in sys.modules]
+    if loaded:
+        raise ConfigError(f"bench kernels: no GPU here and {loaded} were already compiled-mode imports; run it in a "
+                          f"fresh process, or set TRITON_INTERPRET=1")
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def device_label(device: torch.device) -> str:
@@ -194,10 +215,14 @@ Draft loss, Triton peak memory / dense torch peak memory (vocabulary {options['v
 
 
 def main(args: list[str]) -> int:
-    options = parse_options("kernels", args, DEFAULTS)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    options = parse_options("kernels", args, DEFAULTS if device.type == "cuda" else CPU_DEFAULTS)
     if options["dtype"] not in DTYPES:
         raise ConfigError(f"bench kernels: dtype={options['dtype']!r}; use one of {', '.join(DTYPES)}")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        print("[bench kernels] no GPU: a correctness dry run at tiny sizes, Triton under the interpreter (the "
+              "timings mean nothing; the real benchmark runs on a GPU: scripts/gpu_check.sh)")
+        use_interpreter()
     result = write_report(Path(options["out"]), options, device, sweep(options, device))
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1, default=str))
     return 0

@@ -1,8 +1,10 @@
 """`spectrain bench` finds the benchmarks in the source tree, rejects bad options clearly, and
-the benchmarks' pure summaries compute what their reports print. No benchmark runs here
-(each takes minutes; see docs/benchmarks/)."""
+the benchmarks' pure summaries compute what their reports print. No benchmark runs here at
+its real size (each takes minutes; see docs/benchmarks/); `bench kernels` runs its tiny CPU dry run."""
 import importlib
+import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +40,7 @@ def test_every_benchmark_imports_and_has_main(name):
     (("cp", "cp=2,4"), "bench cp: cp=2,4 has no 1"),
     (("adaptive", "prompts"), "bench adaptive: unknown option(s) prompts;"),
     (("drift", "no_such.key=1"), "bench drift: "),
+    (("kernels", "dtype=fp8"), "bench kernels: dtype='fp8'; use one of bfloat16, float16, float32"),
 ])
 def test_a_bad_option_is_one_clear_error_before_any_work(capsys, args, message):
     """The error comes from the benchmark module itself: `spectrain bench NAME` found and imported it."""
@@ -54,6 +57,21 @@ def test_without_the_source_tree_the_cli_says_where_benchmarks_live(capsys, monk
     assert code == 2
     assert f"no {tmp_path / 'site-packages' / 'benchmarks'} folder" in err
     assert "pip install -e ." in err
+
+
+def test_bench_kernels_without_a_gpu_is_a_dry_run_of_every_path(tmp_path):
+    """`spectrain bench kernels` on this CPU: tiny sizes, Triton under the interpreter, every implementation
+    measured and written (a fresh process, as a user runs it: the interpreter must be chosen before the kernels)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "spectrain.cli", "bench", "kernels", "tokens=48", f"out={tmp_path}"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "no GPU: a correctness dry run" in proc.stdout
+    result = json.loads((tmp_path / "kernels.json").read_text())
+    assert {(r["tokens"], r["impl"]) for r in result["rows"]["attention"]} == {(48, "torch"), (48, "triton")}
+    assert {r["impl"] for r in result["rows"]["loss"]} == {"torch", "chunked", "triton"}
+    assert all(r["ms"] > 0 and r["peak_mib"] is None for rows in result["rows"].values() for r in rows)
+    assert (tmp_path / "kernels.png").stat().st_size > 0 and "| 48 | triton |" in (tmp_path / "kernels.md").read_text()
 
 
 def test_the_package_never_imports_a_benchmark():
