@@ -71,6 +71,18 @@ class LoadStats:
     max_waiting: int = 0  # most sequences queued behind them
 
 
+@dataclass
+class ProbeResult:
+    """What `RolloutEngine.verify_weights` found: does the engine serve the weights it was sent?"""
+
+    worst: float  # largest relative error over the probed tensors
+    mismatches: list[str]  # "name: why" for each tensor out of tolerance or not served
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
 
@@ -91,7 +103,7 @@ class RolloutEngine(Protocol):
 
     def take_load_stats(self) -> LoadStats: ...
 
-    def verify_weights(self, weights: NamedTensors, which: str, rtol: float): ...
+    def verify_weights(self, weights: NamedTensors, which: str, rtol: float) -> ProbeResult: ...
 
     def disable_speculation(self) -> None: ...
 

@@ -10,8 +10,7 @@ from spectrain.models.eagle3 import Eagle3Config, Eagle3Draft
 from spectrain.models.llama import LlamaConfig, LlamaForCausalLM, pack_sequences
 from spectrain.parallel.plan import LocalPlan, draft_inputs_from, ttt_valid_tokens
 from spectrain.batch import build_rollout_batch
-from spectrain.rollout.engine import Completion, SpecDecodeCounters
-from spectrain.rollout.vllm.weight_probe import ProbeResult
+from spectrain.rollout.engine import Completion, ProbeResult, SpecDecodeCounters
 
 
 class Module(SimpleNamespace):

@@ -17,10 +17,11 @@ from pathlib import Path
 
 from spectrain.config.schema import VLLM_KWARGS_SET_BY_SPECTRAIN
 from spectrain.errors import ConfigError, RolloutEngineError
-from spectrain.rollout.engine import Completion, LoadStats, NamedTensors, SamplingConfig, SpecDecodeCounters
+from spectrain.rollout.engine import (Completion, LoadStats, NamedTensors, ProbeResult, SamplingConfig,
+                                      SpecDecodeCounters)
 from spectrain.rollout.vllm import compat
 from spectrain.rollout.vllm import cpu_fixes as vllm_cpu_fixes
-from spectrain.rollout.vllm.weight_probe import ProbeResult, compare_report, report_engine_weights
+from spectrain.rollout.vllm.weight_probe import compare_report, report_engine_weights
 
 _METRIC = "vllm:spec_decode_"
 

@@ -11,10 +11,10 @@ also names vLLM silently ignored (a reload drops tensors it does not know).
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
 
 import torch
 
+from spectrain.rollout.engine import ProbeResult
 from spectrain.rollout.vllm import compat
 
 PROBE_ROWS = 2
@@ -59,16 +59,6 @@ def report_engine_weights(worker, which: str) -> tuple[dict[str, tuple[str, torc
                 if param.numel():
                     report[f"{name}.{param_name}" if name else param_name] = ("param", sampled_entries(param[:rows]))
     return report, dict(getattr(model, "packed_modules_mapping", {}))
-
-
-@dataclass
-class ProbeResult:
-    worst: float  # largest relative error over the probed tensors
-    mismatches: list[str]  # "name: why" for each tensor out of tolerance or not served
-
-    @property
-    def ok(self) -> bool:
-        return not self.mismatches
 
 
 def _trainer_names(engine_name: str, which: str, packed: dict[str, list[str]]) -> list[str]:
