@@ -15,6 +15,10 @@ restricted logits ``t``: ``ce = lse(z) - sum_j softmax(t)_j z_j`` (= ``-sum_j p_
   from the forward's two log-sum-exps; the caller turns ``dz [chunk, Vd]`` into the hidden-state
   and weight gradients with two torch matmuls (cuBLAS beats a hand-written dW reduction).
 
+The teacher is read through a row index (``rows [T]``, int64: draft row i scores against
+teacher row ``rows[i]``), so that TTT pass d reads the one teacher tensor at rows ``i + d``
+instead of a shifted ``[T, Vd]`` copy per pass; without ``rows`` row i reads teacher row i.
+
 Row offsets are int64 (``T x V`` teacher logits pass 2**31 elements at 64K tokens and a 128K
 vocabulary). Dots run at ``input_precision="ieee"`` (fp32 inputs are not truncated to TF32;
 bf16 is the fast path). Tested under ``TRITON_INTERPRET=1`` on CPU in fp64 and fp32 (with a
@@ -49,13 +53,14 @@ def _logits_tile(z, H, W, rows, row_ok, cols, col_ok, hidden_size, stride_h, str
 
 
 @triton.jit
-def _soft_ce_fwd(H, W, TEACHER, STATS, BEST_ID, n_rows, vocab, hidden_size, split_width,
+def _soft_ce_fwd(H, W, TEACHER, TEACHER_ROWS, STATS, BEST_ID, n_rows, vocab, hidden_size, split_width,
                  stride_h, stride_w, stride_t,
                  BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
     acc = STATS.dtype.element_ty
     split, n_splits = tl.program_id(1), tl.num_programs(1)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < n_rows
+    teacher_row = tl.load(TEACHER_ROWS + rows, mask=row_ok, other=0) * stride_t
     m_z = tl.full([BLOCK_T], float("-inf"), acc)
     s_z = tl.zeros([BLOCK_T], acc)
     m_t = tl.full([BLOCK_T], float("-inf"), acc)
@@ -72,8 +77,8 @@ def _soft_ce_fwd(H, W, TEACHER, STATS, BEST_ID, n_rows, vocab, hidden_size, spli
                          stride_h, stride_w, BLOCK_K)
         z = tl.where(col_ok[None, :], z, float("-inf"))
         # padding rows read teacher 0 (not -inf), so every row's statistics stay finite
-        t = tl.load(TEACHER + rows[:, None].to(tl.int64) * stride_t + cols[None, :],
-                    mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(acc)
+        t = tl.load(TEACHER + teacher_row[:, None] + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                    other=0.0).to(acc)
         t = tl.where(col_ok[None, :], t, float("-inf"))
 
         m_new = tl.maximum(m_z, tl.max(z, 1))
@@ -104,7 +109,7 @@ def _soft_ce_fwd(H, W, TEACHER, STATS, BEST_ID, n_rows, vocab, hidden_size, spli
 
 
 @triton.jit
-def _soft_ce_bwd(H, W, TEACHER, GRAD, LSE_Z, LSE_T, DZ, n_rows, vocab, hidden_size,
+def _soft_ce_bwd(H, W, TEACHER, TEACHER_ROWS, GRAD, LSE_Z, LSE_T, DZ, n_rows, vocab, hidden_size,
                  stride_h, stride_w, stride_t, stride_dz,
                  BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
     acc = GRAD.dtype.element_ty
@@ -115,7 +120,8 @@ def _soft_ce_bwd(H, W, TEACHER, GRAD, LSE_Z, LSE_T, DZ, n_rows, vocab, hidden_si
     tile_ok = row_ok[:, None] & col_ok[None, :]
     z = _logits_tile(tl.zeros([BLOCK_T, BLOCK_V], acc), H, W, rows, row_ok, cols, col_ok, hidden_size,
                      stride_h, stride_w, BLOCK_K)
-    t = tl.load(TEACHER + rows[:, None].to(tl.int64) * stride_t + cols[None, :], mask=tile_ok, other=0.0).to(acc)
+    teacher_row = tl.load(TEACHER_ROWS + rows, mask=row_ok, other=0) * stride_t
+    t = tl.load(TEACHER + teacher_row[:, None] + cols[None, :], mask=tile_ok, other=0.0).to(acc)
     g = tl.load(GRAD + rows, mask=row_ok, other=0.0)
     lse_z = tl.load(LSE_Z + rows, mask=row_ok, other=0.0)
     lse_t = tl.load(LSE_T + rows, mask=row_ok, other=0.0)
@@ -123,11 +129,18 @@ def _soft_ce_bwd(H, W, TEACHER, GRAD, LSE_Z, LSE_T, DZ, n_rows, vocab, hidden_si
     tl.store(DZ + rows[:, None].to(tl.int64) * stride_dz + cols[None, :], dz.to(DZ.dtype.element_ty), mask=tile_ok)
 
 
-def _check(hidden: torch.Tensor, weight: torch.Tensor, teacher: torch.Tensor) -> None:
+def _teacher_rows(hidden: torch.Tensor, weight: torch.Tensor, teacher: torch.Tensor,
+                  rows: torch.Tensor | None) -> torch.Tensor:
+    """Checks the shapes; the teacher row of each hidden row (`rows`, or the identity) as contiguous int64."""
     assert hidden.dim() == 2 and weight.dim() == 2 and hidden.shape[1] == weight.shape[1], (hidden.shape, weight.shape)
-    assert teacher.shape == (hidden.shape[0], weight.shape[0]), (teacher.shape, hidden.shape, weight.shape)
+    assert teacher.dim() == 2 and teacher.shape[1] == weight.shape[0], (teacher.shape, weight.shape)
     assert hidden.dtype == weight.dtype, (hidden.dtype, weight.dtype)
     assert hidden.stride(-1) == weight.stride(-1) == teacher.stride(-1) == 1, "the last dims must be contiguous"
+    if rows is None:
+        assert teacher.shape[0] == hidden.shape[0], (teacher.shape, hidden.shape)
+        return torch.arange(hidden.shape[0], device=hidden.device)
+    assert rows.shape == hidden.shape[:1] and rows.dtype == torch.int64, (rows.shape, rows.dtype)
+    return rows.contiguous()
 
 
 def _default_splits(device: torch.device, row_blocks: int, vocab_tiles: int) -> int:
@@ -150,14 +163,16 @@ def _combine_splits(stats: torch.Tensor, best_id: torch.Tensor) -> tuple[torch.T
     return ce, top1, lse_z, top_t + total_t.log()
 
 
-def soft_ce_forward(hidden: torch.Tensor, weight: torch.Tensor, teacher: torch.Tensor, *, splits: int | None = None,
-                    block_t: int = BLOCK_T, block_v: int = BLOCK_V, block_k: int = BLOCK_K) -> tuple[torch.Tensor, ...]:
+def soft_ce_forward(hidden: torch.Tensor, weight: torch.Tensor, teacher: torch.Tensor, *,
+                    rows: torch.Tensor | None = None, splits: int | None = None, block_t: int = BLOCK_T,
+                    block_v: int = BLOCK_V, block_k: int = BLOCK_K) -> tuple[torch.Tensor, ...]:
     """Per row: soft CE `[T]`, the draft's argmax id `[T]`, and lse of the draft and teacher logits `[T]`.
 
-    `hidden [T, H]` and `weight [Vd, H]` (same dtype), `teacher [T, Vd]` (any float dtype; read
-    tile by tile and upcast there). Statistics are fp32 (fp64 for an fp64 `hidden`).
+    `hidden [T, H]` and `weight [Vd, H]` (same dtype), `teacher [N, Vd]` (any float dtype; read
+    tile by tile and upcast there) at rows `rows` (int64 `[T]`, each in `[0, N)`; default: row i,
+    with N = T). Statistics are fp32 (fp64 for an fp64 `hidden`).
     """
-    _check(hidden, weight, teacher)
+    teacher_rows = _teacher_rows(hidden, weight, teacher, rows)
     (n_rows, hidden_size), vocab = hidden.shape, weight.shape[0]
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32  # tl.dot's accumulator
     row_blocks, vocab_tiles = triton.cdiv(n_rows, block_t), triton.cdiv(vocab, block_v)
@@ -168,27 +183,28 @@ def soft_ce_forward(hidden: torch.Tensor, weight: torch.Tensor, teacher: torch.T
     best_id = torch.empty(splits, n_rows, device=hidden.device, dtype=torch.int64)
     if n_rows:
         _soft_ce_fwd[(row_blocks, splits)](
-            hidden, weight, teacher, stats, best_id, n_rows, vocab, hidden_size, split_width,
+            hidden, weight, teacher, teacher_rows, stats, best_id, n_rows, vocab, hidden_size, split_width,
             hidden.stride(0), weight.stride(0), teacher.stride(0),
             BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_K=block_k, num_warps=NUM_WARPS)
     return _combine_splits(stats, best_id)
 
 
 def soft_ce_dlogits(hidden: torch.Tensor, weight: torch.Tensor, teacher: torch.Tensor, grad: torch.Tensor,
-                    lse_z: torch.Tensor, lse_t: torch.Tensor, *, block_t: int = BLOCK_T, block_v: int = BLOCK_V,
-                    block_k: int = BLOCK_K) -> torch.Tensor:
+                    lse_z: torch.Tensor, lse_t: torch.Tensor, *, rows: torch.Tensor | None = None,
+                    block_t: int = BLOCK_T, block_v: int = BLOCK_V, block_k: int = BLOCK_K) -> torch.Tensor:
     """`d(sum grad * ce)/dz [T, Vd]` in the weight's dtype, the logits recomputed tile by tile.
 
     `grad [T]` (zero on rows that do not count) and the forward's `lse_z`, `lse_t`, all in the
-    statistics dtype. Called on one chunk of rows at a time (views of the full tensors).
+    statistics dtype; `teacher` and `rows` as in `soft_ce_forward`. Called on one chunk of rows
+    at a time (views of the full tensors; the whole teacher with the chunk's `rows`).
     """
-    _check(hidden, weight, teacher)
+    teacher_rows = _teacher_rows(hidden, weight, teacher, rows)
     (n_rows, hidden_size), vocab = hidden.shape, weight.shape[0]
     dz = torch.empty(n_rows, vocab, device=hidden.device, dtype=weight.dtype)
     if n_rows:
         grid = (triton.cdiv(n_rows, block_t), triton.cdiv(vocab, block_v))
         _soft_ce_bwd[grid](
-            hidden, weight, teacher, grad.contiguous(), lse_z.contiguous(), lse_t.contiguous(), dz,
+            hidden, weight, teacher, teacher_rows, grad.contiguous(), lse_z.contiguous(), lse_t.contiguous(), dz,
             n_rows, vocab, hidden_size, hidden.stride(0), weight.stride(0), teacher.stride(0), dz.stride(0),
             BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_K=block_k, num_warps=NUM_WARPS)
     return dz

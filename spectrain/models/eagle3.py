@@ -236,20 +236,26 @@ class Eagle3Draft(nn.Module):
         return self.fc(torch.cat([a.detach() for a in tap_hidden], dim=-1).to(self.fc.weight.dtype))
 
 
+def _rows_within_docs(cu_seqlens: torch.Tensor, shift: int,
+                     device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(src, inside)` `[T]`: row i reads row `src[i] = i + shift`, which is in i's document where `inside`."""
+    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    lens = cu.diff()
+    src = torch.arange(int(cu[-1]), device=cu.device) + shift
+    inside = (src >= torch.repeat_interleave(cu[:-1], lens)) & (src < torch.repeat_interleave(cu[1:], lens))
+    return src, inside
+
+
 def shift_within_docs(x: torch.Tensor, cu_seqlens: torch.Tensor, shift: int, fill: float = 0) -> torch.Tensor:
     """Row i of the result is `x[i + shift]` if that row is in i's document, else `fill`.
 
     The single-rank version of the CP-aware shift (`spectrain.parallel.cp.zigzag.shift_left`
     has the same semantics on zigzag shards), so TTT never looks across a document.
     """
-    n = x.shape[0]
-    cu = cu_seqlens.to(device=x.device, dtype=torch.long)
-    assert int(cu[-1]) == n, (int(cu[-1]), n)
-    lens = cu.diff()
-    src = torch.arange(n, device=x.device) + shift
-    valid = (src >= torch.repeat_interleave(cu[:-1], lens)) & (src < torch.repeat_interleave(cu[1:], lens))
+    src, inside = _rows_within_docs(cu_seqlens, shift, x.device)
+    assert src.shape[0] == x.shape[0], (src.shape[0], x.shape[0])
     out = x.new_full(x.shape, fill)
-    out[valid] = x[src[valid]]
+    out[inside] = x[src[inside]]
     return out
 
 
@@ -296,13 +302,17 @@ def ttt_loss(
     Args:
         draft_outputs: K tensors from `Eagle3Draft.forward`: the logits `[T, Vd]` (scored
             densely), or with `lm_head` the normed hidden states `[T, H]` (`normed_hidden=True`).
-        teacher_logits: policy logits `[T, V]`; detached here, shifted in their own dtype
-            (bf16 stays bf16) and upcast per pass by the dense path, per chunk by the others.
+        teacher_logits: policy logits `[T, V]`; detached here, kept in their own dtype (bf16
+            stays bf16) and upcast per pass by the dense path, per chunk by the others. On one
+            rank (`shift_fn` None or `shift_within_docs`) every pass reads the one restricted
+            teacher at rows i + d (`draft_soft_ce_top1(..., rows=)`); other shifts (context
+            parallel) copy it shifted per pass.
         response_mask: `[T]`, nonzero where position t predicts a response token.
         t2d: bool `[V]`, the draft vocabulary.
         lm_head: the draft's `lm_head.weight` `[Vd, H]`, applied by `draft_soft_ce_top1`
             with `loss_kernel` (`draft.loss_kernel`) and `chunk` rows at a time.
     """
+    local = shift_fn in (None, shift_within_docs)
     shift_fn = shift_fn or shift_within_docs
     t, vocab = teacher_logits.shape
     assert len(draft_outputs) >= 1, "no TTT pass to score"
@@ -319,12 +329,16 @@ def ttt_loss(
     for d, out in enumerate(draft_outputs, start=1):
         shifted = shift_fn(policy, cu_seqlens, d, 0.0)
         valid, policy_top1 = shifted[:, 0] > 0.5, shifted[:, 1].long()
-        target = shift_fn(restricted, cu_seqlens, d, 0.0)
+        if local:  # read the teacher at rows i + d (row 0 where that leaves the document: not valid there)
+            src, inside = _rows_within_docs(cu_seqlens, d, restricted.device)
+            target, rows = restricted, torch.where(inside, src, 0)
+        else:
+            target, rows = shift_fn(restricted, cu_seqlens, d, 0.0), None
         if lm_head is None:
             assert out.shape == (t, used.numel()), (out.shape, t, used.numel())
-            ce, top1 = dense_soft_ce_top1(out, target, valid)
+            ce, top1 = dense_soft_ce_top1(out, target if rows is None else target[rows], valid)
         else:
-            ce, top1 = draft_soft_ce_top1(out, lm_head, target, valid, impl=loss_kernel, chunk=chunk)
+            ce, top1 = draft_soft_ce_top1(out, lm_head, target, valid, impl=loss_kernel, chunk=chunk, rows=rows)
         if d == 1 and num_valid_tokens is None:
             num_valid_tokens = valid.sum().clamp(min=1)
         total = total + pass_decay ** (d - 1) * ce.sum()

@@ -16,6 +16,10 @@ gradients:
   lm_head gradients with torch matmuls.
 
 ``auto`` is ``triton`` on CUDA and ``torch`` elsewhere.
+
+The teacher may be read through a row index (``rows``): TTT pass d scores draft row i against
+teacher row i + d, and reading the one teacher tensor at those rows spares a shifted ``[T, Vd]``
+copy per pass that the backward would otherwise keep alive until the end of the update.
 """
 from __future__ import annotations
 
@@ -69,22 +73,22 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype
     return F.linear(hidden, weight).to(dtype)
 
 
-def _chunked_forward(hidden, weight, teacher, chunk: int) -> tuple[torch.Tensor, ...]:
-    """(ce, top1, lse_z, lse_t) per row, `chunk` rows of logits at a time."""
+def _chunked_forward(hidden, weight, teacher, teacher_rows, chunk: int) -> tuple[torch.Tensor, ...]:
+    """(ce, top1, lse_z, lse_t) per row, `chunk` rows of logits (and gathered teacher rows) at a time."""
     dtype = loss_dtype(hidden, teacher)
     n_rows = hidden.shape[0]
     ce, lse_z, lse_t = (hidden.new_empty(n_rows, dtype=dtype) for _ in range(3))
     top1 = hidden.new_empty(n_rows, dtype=torch.long)
     for rows in _row_chunks(n_rows, chunk):
-        logits, target = _chunk_logits(hidden[rows], weight, dtype), teacher[rows].to(dtype)
+        logits, target = _chunk_logits(hidden[rows], weight, dtype), teacher[teacher_rows[rows]].to(dtype)
         ce[rows], top1[rows] = soft_ce_rows(logits, target), logits.argmax(-1)
         lse_z[rows], lse_t[rows] = logits.logsumexp(-1), target.logsumexp(-1)
     return ce, top1, lse_z, lse_t
 
 
-def _chunked_dlogits(hidden, weight, teacher, grad, lse_z, lse_t) -> torch.Tensor:
-    """`grad (softmax(z) - softmax(t))` of one chunk of rows, the logits recomputed."""
-    z, t = _chunk_logits(hidden, weight, grad.dtype), teacher.to(grad.dtype)
+def _chunked_dlogits(hidden, weight, teacher, grad, lse_z, lse_t, *, rows) -> torch.Tensor:
+    """`grad (softmax(z) - softmax(t))` of one chunk of rows (teacher rows `rows`), the logits recomputed."""
+    z, t = _chunk_logits(hidden, weight, grad.dtype), teacher[rows].to(grad.dtype)
     return grad[:, None] * (torch.exp(z - lse_z[:, None]) - torch.exp(t - lse_t[:, None]))
 
 
@@ -110,57 +114,68 @@ def _triton_ops():
 
 
 class _FusedSoftCE(torch.autograd.Function):
-    """Soft CE per row from `hidden`, `weight` and the teacher, never holding more than a chunk of logits."""
+    """Soft CE per row from `hidden`, `weight` and the teacher at `teacher_rows`, never holding more than a
+    chunk of logits; the backward keeps the caller's teacher and the row index, no copy of either."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, teacher, valid, impl: str, chunk: int):
+    def forward(ctx, hidden, weight, teacher, teacher_rows, valid, impl: str, chunk: int):
         if impl == "triton":
-            ce, top1, lse_z, lse_t = _triton_ops().soft_ce_forward(hidden, weight, teacher)
+            ce, top1, lse_z, lse_t = _triton_ops().soft_ce_forward(hidden, weight, teacher, rows=teacher_rows)
         else:
-            ce, top1, lse_z, lse_t = _chunked_forward(hidden, weight, teacher, chunk)
-        ctx.save_for_backward(hidden, weight, teacher, valid, lse_z, lse_t)
+            ce, top1, lse_z, lse_t = _chunked_forward(hidden, weight, teacher, teacher_rows, chunk)
+        ctx.save_for_backward(hidden, weight, teacher, teacher_rows, valid, lse_z, lse_t)
         ctx.impl, ctx.chunk = impl, chunk
         ctx.mark_non_differentiable(top1)
         return torch.where(valid, ce, 0.0), top1
 
     @staticmethod
     def backward(ctx, grad_ce, _grad_top1):
-        hidden, weight, teacher, valid, lse_z, lse_t = ctx.saved_tensors
+        hidden, weight, teacher, teacher_rows, valid, lse_z, lse_t = ctx.saved_tensors
         grad = torch.where(valid, grad_ce.to(lse_z.dtype), 0.0)
         kernel = _triton_ops().soft_ce_dlogits if ctx.impl == "triton" else _chunked_dlogits
 
         def dlogits(rows: slice) -> torch.Tensor:
-            return kernel(hidden[rows], weight, teacher[rows], grad[rows], lse_z[rows], lse_t[rows])
+            return kernel(hidden[rows], weight, teacher, grad[rows], lse_z[rows], lse_t[rows], rows=teacher_rows[rows])
 
         grad_hidden, grad_weight = _head_grads(hidden, weight, ctx.chunk, dlogits)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def draft_soft_ce_top1(hidden: torch.Tensor, weight: torch.Tensor, teacher_logits: torch.Tensor, valid: torch.Tensor,
-                       *, impl: str = "auto", chunk: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+                       *, impl: str = "auto", chunk: int = DEFAULT_CHUNK,
+                       rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row soft CE `[T]` (0 where not `valid`; fp32, fp64 for fp64 inputs) and the draft's top-1 id `[T]`.
 
     Args:
         hidden: the draft's normed hidden states `[T, H]` (differentiable).
         weight: its lm_head `[Vd, H]` (differentiable), same dtype as `hidden`.
-        teacher_logits: the policy's logits restricted to the draft vocabulary `[T, Vd]`, in
-            their own dtype (bf16 stays bf16: each path upcasts at most a chunk); no gradient.
+        teacher_logits: the policy's logits restricted to the draft vocabulary, `[T, Vd]` (or
+            `[N, Vd]` with `rows`), in their own dtype (bf16 stays bf16: each path upcasts at
+            most a chunk); no gradient.
         valid: bool `[T]`, the rows that count.
         impl: `draft.loss_kernel` (auto | torch | chunked | triton).
         chunk: rows of logits (or of their gradient) held at once by `chunked` and `triton`.
+        rows: int64 `[T]`, the teacher row of each draft row (each in `[0, N)`; any such index
+            where `valid` is False); default: row i. `chunked` and `triton` read the teacher
+            through it and save only it beside the caller's teacher for the backward.
     """
     assert valid.shape == hidden.shape[:1] and valid.dtype == torch.bool, (valid.shape, valid.dtype)
     assert chunk >= 1, chunk
     impl = resolve_loss_kernel(impl, hidden.device)
     teacher_logits = teacher_logits.detach()
     if impl == "torch":
-        return dense_soft_ce_top1(F.linear(hidden, weight), teacher_logits, valid)
+        teacher = teacher_logits if rows is None else teacher_logits[rows]
+        return dense_soft_ce_top1(F.linear(hidden, weight), teacher, valid)
+    if rows is None:
+        assert teacher_logits.shape[0] == hidden.shape[0], (teacher_logits.shape, hidden.shape)
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+    assert rows.shape == valid.shape and rows.dtype == torch.int64, (rows.shape, rows.dtype)
     if impl == "triton":
         hidden, weight, teacher_logits = (t.contiguous() for t in (hidden, weight, teacher_logits))
-    return _FusedSoftCE.apply(hidden, weight, teacher_logits, valid, impl, chunk)
+    return _FusedSoftCE.apply(hidden, weight, teacher_logits, rows, valid, impl, chunk)
 
 
 def draft_soft_ce(hidden: torch.Tensor, weight: torch.Tensor, teacher_logits: torch.Tensor, valid: torch.Tensor,
-                  *, impl: str = "auto", chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+                  *, impl: str = "auto", chunk: int = DEFAULT_CHUNK, rows: torch.Tensor | None = None) -> torch.Tensor:
     """`draft_soft_ce_top1` without the top-1: the per-row soft CE `[T]` (the benchmark's entry point)."""
-    return draft_soft_ce_top1(hidden, weight, teacher_logits, valid, impl=impl, chunk=chunk)[0]
+    return draft_soft_ce_top1(hidden, weight, teacher_logits, valid, impl=impl, chunk=chunk, rows=rows)[0]

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from spectrain.errors import ConfigError
 from spectrain.kernels.draft_loss_triton import soft_ce_dlogits, soft_ce_forward
-from spectrain.models.eagle3 import ttt_loss
+from spectrain.models.eagle3 import shift_within_docs, ttt_loss
 from spectrain.ops.draft_loss import draft_soft_ce, draft_soft_ce_top1, resolve_loss_kernel
 from spectrain.parallel.plan import draft_inputs_from, ttt_valid_tokens
 from spectrain.train.draft_update import draft_loss
@@ -66,21 +66,31 @@ def test_a_bf16_teacher_is_read_like_the_dense_path(impl):
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("gather", [False, True], ids=["rows-identity", "rows-gathered"])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_triton_kernels_over_many_tiles(splits):
-    """Small blocks: several row blocks, vocabulary tiles (split across programs) and hidden slices."""
+def test_triton_kernels_over_many_tiles(splits, gather):
+    """Small blocks: several row blocks, vocabulary tiles (split across programs) and hidden slices; the
+    teacher read in place, or through a row index into a taller teacher."""
     hidden, weight, teacher, _, grad = inputs(37, 40, 70, seed=2)
     blocks = dict(block_t=16, block_v=16, block_k=16)
+    source, rows = teacher, None
+    if gather:
+        source = 2 * torch.randn(50, 70, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+        rows = torch.randint(0, 50, (37,), generator=torch.Generator().manual_seed(4))
+        teacher = source[rows]
+    chunk = slice(5, 30)  # one backward chunk: views into the full tensors
+    chunk_source, chunk_rows = (source, rows[chunk]) if gather else (source[chunk], None)
     with torch.no_grad():
-        ce, top1, lse_z, lse_t = soft_ce_forward(hidden, weight, teacher, splits=splits, **blocks)
-        logits = hidden @ weight.T
-        torch.testing.assert_close(ce, reference_soft_ce(hidden, weight, teacher, torch.ones(37, dtype=bool)), **TOL64)
-        assert torch.equal(top1, logits.argmax(-1))
-        torch.testing.assert_close(lse_z, logits.logsumexp(-1), **TOL64)
-        torch.testing.assert_close(lse_t, teacher.logsumexp(-1), **TOL64)
-        rows = slice(5, 30)  # one backward chunk: views into the full tensors
-        dz = soft_ce_dlogits(hidden[rows], weight, teacher[rows], grad[rows], lse_z[rows], lse_t[rows], **blocks)
-    want = grad[rows, None] * (logits[rows].softmax(-1) - teacher[rows].softmax(-1))
+        ce, top1, lse_z, lse_t = soft_ce_forward(hidden, weight, source, rows=rows, splits=splits, **blocks)
+        dz = soft_ce_dlogits(hidden[chunk], weight, chunk_source, grad[chunk], lse_z[chunk], lse_t[chunk],
+                             rows=chunk_rows, **blocks)
+    logits = hidden.detach() @ weight.detach().T
+    torch.testing.assert_close(ce, reference_soft_ce(hidden, weight, teacher, torch.ones(37, dtype=bool)).detach(),
+                               **TOL64)
+    assert torch.equal(top1, logits.argmax(-1))
+    torch.testing.assert_close(lse_z, logits.logsumexp(-1), **TOL64)
+    torch.testing.assert_close(lse_t, teacher.logsumexp(-1), **TOL64)
+    want = grad[chunk, None] * (logits[chunk].softmax(-1) - teacher[chunk].softmax(-1))
     torch.testing.assert_close(dz, want, **TOL64)
 
 
@@ -111,6 +121,55 @@ def test_ttt_loss_from_hidden_equals_the_dense_logits_path(impl, restricted):
     assert want_m.count.tolist()[0] > want_m.count.tolist()[-1] > 0  # later passes lose document tails
     for name, g, w in zip(["pass1", "pass2", "pass3", "lm_head"], got_grads, want_grads):
         torch.testing.assert_close(g, w, **TOL64, msg=name)
+
+
+def copy_shift(x, cu_seqlens, shift, fill):
+    """`shift_within_docs` under another name: `ttt_loss` then shifts a teacher copy per pass, as under CP."""
+    return shift_within_docs(x, cu_seqlens, shift, fill)
+
+
+def saved_teacher_bytes(run) -> int:
+    """Bytes of the distinct float storages of >= 2 dims that autograd saves while `run()` builds the graph."""
+    storages = {}
+
+    def pack(t):
+        if t.dim() >= 2 and t.is_floating_point():
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_ttt_loss_reads_the_teacher_by_row_like_the_shifted_copies(impl):
+    """Without CP every pass reads the one teacher at rows i + d: bit-identical to a shifted copy per pass."""
+    hidden, weight, teacher, mask, cu, t2d = ttt_case(restricted=True, seed=1)
+    params = [*hidden, weight]
+    results = {}
+    for shift_fn in (None, copy_shift):
+        loss, metrics = ttt_loss(hidden, teacher, mask, cu, t2d, pass_decay=0.7, shift_fn=shift_fn, lm_head=weight,
+                                 loss_kernel=impl, chunk=4)
+        results[shift_fn] = loss, metrics, torch.autograd.grad(loss, params)
+    (got, got_m, got_g), (want, want_m, want_g) = results[None], results[copy_shift]
+    assert torch.equal(got, want) and want.item() > 0
+    for field in ("loss_sum", "correct", "count"):
+        assert torch.equal(getattr(got_m, field), getattr(want_m, field)), field
+    for name, g, w in zip(["pass1", "pass2", "pass3", "lm_head"], got_g, want_g):
+        assert torch.equal(g, w), name
+
+
+def test_the_fused_ttt_loss_saves_one_teacher_for_all_passes():
+    """The backward keeps the restricted teacher once, not a shifted [T, Vd] copy per pass."""
+    hidden, weight, teacher, mask, cu, t2d = ttt_case(restricted=True)
+    one_teacher = teacher.shape[0] * int(t2d.sum()) * teacher.element_size()
+
+    def saved(shift_fn):
+        return saved_teacher_bytes(lambda: ttt_loss(hidden, teacher, mask, cu, t2d, shift_fn=shift_fn,
+                                                    lm_head=weight, loss_kernel="chunked"))
+
+    assert saved(copy_shift) - saved(None) == (len(hidden) - 1) * one_teacher
 
 
 @pytest.mark.parametrize("impl", ["chunked", "triton"])
