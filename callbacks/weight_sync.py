@@ -16,6 +16,8 @@ from spectrain.errors import SpeculationDeadError, SyncMismatchError
 # defaults by the dtype trainer and engine compute in: float32 engines agree to ~1e-7, bf16 ones to ~1e-2
 _LOGPROB_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 5e-2}
 _WEIGHT_RTOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+# with no acceptance history, a gain (length - 1) under this is a draft that does not predict the policy
+MIN_USEFUL_GAIN = 0.1
 
 
 class WeightSync(Callback):
@@ -26,9 +28,14 @@ class WeightSync(Callback):
     - The next rollout's logprobs must equal the trainer's before its first update: the mean
       absolute difference (`pl_module.engine_logprob_diff`) must stay within `logprob_tolerance`.
     - A drafter lost in the engine (e.g. freed by sleep mode) yields acceptance length 1.00 and
-      no error. When acceptance after a draft sync collapses (no token accepted, or a gain
-      `length - 1` under `collapse_ratio` x the median of the recent `window` steps), the drafter
-      is probed; if it does not serve the synced draft (or accepted nothing) it is dead.
+      no error. When acceptance after a draft sync is poor (no token accepted; a gain `length - 1`
+      under `collapse_ratio` x the median of the recent `window` steps; or, with no history yet,
+      a gain under `MIN_USEFUL_GAIN`), the drafter is probed against the weights of the last
+      draft sync (a copy kept on the rollout rank: the trainer's draft has been updated since).
+      A drafter that does not serve them is dead. One that does is a draft that does not (yet)
+      predict this policy: a scratch or imported draft, or a policy that moved. That only warns
+      (once per kind); co-training learns it, and a frozen draft is turned off under
+      `on_dead="disable"`.
 
     A failed check raises (`on_mismatch="raise"`, `on_dead="raise"`) with the sync version, or
     with `on_mismatch="warn"` warns, counts it (`sync/mismatches`) and re-sends the weights;
@@ -43,22 +50,27 @@ class WeightSync(Callback):
         logprob_tolerance, weight_rtol: None picks the default of the policy's dtype.
         collapse_ratio, window: what counts as an acceptance collapse.
         min_drafts_for_check: drafts a rollout needs before its acceptance says anything.
+        frozen_draft: the draft is never trained (draft.mode=frozen): a poor one will not improve.
     """
 
     def __init__(self, check_alive: bool = True, on_mismatch: str = "raise", on_dead: str = "raise",
                  logprob_tolerance: float | None = None, weight_rtol: float | None = None,
-                 collapse_ratio: float = 0.5, window: int = 10, min_drafts_for_check: int = 20) -> None:
+                 collapse_ratio: float = 0.5, window: int = 10, min_drafts_for_check: int = 20,
+                 frozen_draft: bool = False) -> None:
         assert on_mismatch in ("raise", "warn") and on_dead in ("raise", "disable"), (on_mismatch, on_dead)
         self.check_alive = check_alive
         self.on_mismatch, self.on_dead = on_mismatch, on_dead
         self.logprob_tolerance, self.weight_rtol = logprob_tolerance, weight_rtol
         self.collapse_ratio = collapse_ratio
         self.min_drafts_for_check = min_drafts_for_check
+        self.frozen_draft = frozen_draft
         self.policy_version = 0
         self.draft_version = 0
         self.mismatches = 0
         self.speculation_disabled = False
         self.recent_gains: deque[float] = deque(maxlen=window)
+        self.warned: set[str] = set()  # the poor-draft warnings given ("cold", "worse"): each once per run
+        self._draft_sent: list = []  # the last draft sync's tensors (CPU copies, rollout rank): what the probe expects
 
     # hooks ----------------------------------------------------------------------------
     @override
@@ -88,8 +100,11 @@ class WeightSync(Callback):
         self._sync(trainer, pl_module, "policy", list(pl_module.policy_weights_for_sync() or ()), version)
         self.policy_version = version
         if draft:
-            self._sync(trainer, pl_module, "draft", list(pl_module.draft_weights_for_sync() or ()), version)
+            weights = list(pl_module.draft_weights_for_sync() or ())
+            self._sync(trainer, pl_module, "draft", weights, version)
             self.draft_version = version
+            if self.check_alive and pl_module.plan.is_rollout_rank:
+                self._draft_sent = [(name, t.detach().to("cpu", copy=True)) for name, t in weights]
 
     def _sync(self, trainer, pl_module, which: str, weights, version: int, attempt: int = 1) -> None:
         if pl_module.plan.is_rollout_rank:
@@ -142,24 +157,51 @@ class WeightSync(Callback):
         gain = spec.mean_acceptance_length - 1.0
         baseline = statistics.median(self.recent_gains) if len(self.recent_gains) >= 3 else None
         self.recent_gains.append(gain)
-        if spec.num_accepted_tokens > 0 and (baseline is None or gain >= self.collapse_ratio * baseline):
+        threshold = MIN_USEFUL_GAIN if baseline is None else self.collapse_ratio * baseline
+        if spec.num_accepted_tokens > 0 and gain >= threshold:
             return
-        fallen = (f"acceptance length fell to {spec.mean_acceptance_length:.2f} over {spec.num_drafts} drafts"
-                  + ("" if baseline is None else f" (recent median {1 + baseline:.2f})"))
-        problems = self._probe(trainer, pl_module, "draft", list(pl_module.draft_weights_for_sync() or ()))
-        if spec.num_accepted_tokens > 0 and not problems:
-            rank_zero_warn(f"[spectrain] step {trainer.global_step}: {fallen}, but the engine serves the synced draft "
-                           f"(version {self.draft_version}): the draft itself predicts the policy worse now.")
-            return
-        why = "; ".join(problems[:3]) if problems else "it accepted nothing"
-        message = (f"after draft sync version {self.draft_version} {fallen} and the drafter is not the synced draft "
-                   f"({why}). Check that the engine was not put to sleep at level 2 and that the draft's parameter "
-                   f"names match the vLLM EAGLE-3 checkpoint")
+        numbers = (f"acceptance length {'is' if baseline is None else 'fell to'} {spec.mean_acceptance_length:.2f} "
+                   f"over {spec.num_drafts} drafts" + ("" if baseline is None else f" (recent median {1 + baseline:.2f})"))
+        problems = self._probe(trainer, pl_module, "draft", self._draft_sent)
+        if problems:
+            self._dead(trainer, pl_module, f"after draft sync version {self.draft_version} {numbers}, and the drafter "
+                                           f"is not the synced draft ({'; '.join(problems[:3])})")
+        else:
+            self._poor_draft(trainer, pl_module, numbers, cold=baseline is None)
+
+    def _dead(self, trainer, pl_module, message: str) -> None:
+        """The engine lost its drafter or holds other draft weights: stop, or go on without speculation."""
+        message += (". Check that the engine was not put to sleep at level 2 and that the draft's parameter names "
+                    "match the vLLM EAGLE-3 checkpoint")
         if self.on_dead == "raise":
             raise SpeculationDeadError(message + "; draft.on_dead=disable goes on without speculation, "
                                                  "draft.check_alive=false skips this check.")
         rank_zero_warn(f"[spectrain] {message}. draft.on_dead=disable: speculation is OFF from step "
                        f"{trainer.global_step + 1} on; rollouts continue with plain decoding.")
+        self._turn_speculation_off(pl_module)
+
+    def _poor_draft(self, trainer, pl_module, numbers: str, cold: bool) -> None:
+        """The engine serves the synced draft, which predicts the policy badly: not a fault of the sync."""
+        kind = "cold" if cold else "worse"
+        what = (f"step {trainer.global_step}: {numbers}, and the engine serves the synced draft (version "
+                f"{self.draft_version}): " + ("the draft does not predict this policy (a scratch draft, or one "
+                                              "trained for another model)" if cold else
+                                              "the draft predicts the policy worse than it did"))
+        if self.frozen_draft and self.on_dead == "disable":
+            rank_zero_warn(f"[spectrain] {what}, and draft.mode=frozen never trains it. draft.on_dead=disable: "
+                           f"speculation is OFF from step {trainer.global_step + 1} on.")
+            self._turn_speculation_off(pl_module)
+            return
+        if kind in self.warned:
+            return
+        self.warned.add(kind)
+        advice = ("draft.mode=frozen never trains it, so it will not improve: the draft does not fit this policy. "
+                  "draft.on_dead=disable turns speculation off when this happens; draft.mode=cotrained trains it"
+                  if self.frozen_draft else "Co-training learns it from the policy's own hidden states; watch "
+                                            "draft/loss and the acceptance length")
+        rank_zero_warn(f"[spectrain] {what}. {advice}. (Warned once; the run goes on with speculation.)")
+
+    def _turn_speculation_off(self, pl_module) -> None:
         self.speculation_disabled = True
         self._disable_engine_speculation(pl_module)
 
@@ -173,7 +215,7 @@ class WeightSync(Callback):
     def state_dict(self) -> dict:
         return {"policy_version": self.policy_version, "draft_version": self.draft_version,
                 "mismatches": self.mismatches, "speculation_disabled": self.speculation_disabled,
-                "recent_gains": list(self.recent_gains)}
+                "recent_gains": list(self.recent_gains), "warned": sorted(self.warned)}
 
     @override
     def load_state_dict(self, state_dict: dict) -> None:
@@ -182,6 +224,7 @@ class WeightSync(Callback):
         self.mismatches = state_dict.get("mismatches", 0)
         self.speculation_disabled = state_dict.get("speculation_disabled", False)
         self.recent_gains.extend(state_dict.get("recent_gains", []))
+        self.warned = set(state_dict.get("warned", []))
 
 
 def _policy_dtype(pl_module) -> torch.dtype:

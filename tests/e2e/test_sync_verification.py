@@ -4,6 +4,7 @@ Faults are injected where a user's setup would break: a sync that does nothing, 
 weights, only some tensors, or names vLLM ignores; a drafter that is not the synced draft.
 """
 import math
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -167,11 +168,49 @@ def test_acceptance_collapse_probes_the_drafter_and_disables_speculation(world):
 def test_a_collapse_with_the_right_drafter_only_warns(world):
     module = module_for(world.engine, world, trains_draft=False)
     callback = WeightSync()
-    callback.load_state_dict({"policy_version": 0, "draft_version": 0, "recent_gains": [2.0, 2.0, 2.0]})
-    world.engine.sync_draft(draft_sync_weights(world.draft), version=5)
+    callback.on_train_start(trainer_at(5), module)
+    callback.load_state_dict({"policy_version": 5, "draft_version": 5, "recent_gains": [2.0, 2.0, 2.0]})
     module.rollout_stats = rollout_stats(drafts=50, accepted=10)
-    with pytest.warns(UserWarning, match="the engine serves the synced draft"):
+    with pytest.warns(UserWarning, match="fell to 1.20 .*the engine serves the synced draft .*predicts the policy worse"):
         callback.on_train_batch_end(trainer_at(6), module, None, None, 0)
+
+
+def test_the_drafter_is_probed_against_the_last_sync_not_the_draft_trained_since(world):
+    """Co-training updates the trainer's draft before the check runs: the engine still holds the synced version."""
+    draft = Eagle3Draft(Eagle3Config.from_policy(world.policy.cfg))
+    module = module_for(world.engine, SimpleNamespace(policy=world.policy, draft=draft))
+    callback = WeightSync()
+    callback.on_train_start(trainer_at(0), module)  # version 0 synced and verified
+    with torch.no_grad():  # one draft optimizer step later
+        for p in draft.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    module.rollout_stats = rollout_stats(drafts=586, accepted=0)  # a cold draft: it accepted nothing
+    with pytest.warns(UserWarning, match=r"step 1: acceptance length is 1\.00 over 586 drafts, and the engine serves "
+                                         r"the synced draft \(version 0\): the draft does not predict this policy.*"
+                                         r"Co-training learns it"):
+        callback.on_train_batch_end(trainer_at(1), module, None, None, 0)
+    assert not callback.speculation_disabled
+    module.rollout_stats = rollout_stats(drafts=586, accepted=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once: the next cold rollouts are quiet
+        callback.on_train_batch_end(trainer_at(2), module, None, None, 0)
+    assert callback.state_dict()["warned"] == ["cold"]
+
+
+def test_a_frozen_draft_that_does_not_fit_is_warned_about_or_turned_off(world):
+    module = module_for(world.engine, world, trains_draft=False)
+    module.rollout_stats = rollout_stats(drafts=586, accepted=0)
+    warn_only = WeightSync(frozen_draft=True)
+    warn_only.on_train_start(trainer_at(0), module)
+    with pytest.warns(UserWarning, match="draft.mode=frozen never trains it.*the draft does not fit this policy.*"
+                                         "draft.on_dead=disable turns speculation off"):
+        warn_only.on_train_batch_end(trainer_at(1), module, None, None, 0)
+    assert not warn_only.speculation_disabled
+    disable = WeightSync(frozen_draft=True, on_dead="disable")
+    disable.on_train_start(trainer_at(0), module)
+    with pytest.warns(UserWarning, match="speculation is OFF from step 2"):
+        disable.on_train_batch_end(trainer_at(1), module, None, None, 0)
+    assert disable.speculation_disabled and disable.state_dict()["speculation_disabled"]
 
 
 def test_load_stats_count_preemptions_when_the_kv_cache_is_too_small(world):
