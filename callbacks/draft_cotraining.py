@@ -8,7 +8,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from spectrain.train.draft_update import draft_update
+from spectrain.train.draft_update import draft_update, warn_if_skipped
 
 
 class DraftCoTraining(Callback):
@@ -18,7 +18,8 @@ class DraftCoTraining(Callback):
     A thin adapter over `spectrain.train.draft_update.draft_update` (the same update the
     warm-up and long-tail spot training run): the draft has its own optimizer (the module's
     second) and gradient clipping; a non-finite loss or gradient norm skips the update
-    (counted and logged); the policy is never touched: taps and teacher logits are detached.
+    (counted, logged as `draft/skipped_steps`, warned); the policy is never touched: taps and
+    teacher logits are detached.
     One per run, under the class name as its state key: a second instance would update the
     same draft twice per step, and Lightning refuses two stateful callbacks with one key.
 
@@ -64,6 +65,7 @@ class DraftCoTraining(Callback):
             self.steps_trained += 1
         else:
             self.steps_skipped += 1
+            warn_if_skipped(update, f"step {trainer.global_step}, {self.steps_skipped} skipped so far")
         seconds = trainer.strategy.reduce(torch.tensor(time.perf_counter() - started), reduce_op="max")  # the host's
         pl_module.log_dict({**self._metrics(update.loss, seconds.item(), update.metrics.loss.tolist(),
                                             update.metrics.accuracy.tolist()), "draft/lr": lr},

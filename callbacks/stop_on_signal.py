@@ -1,4 +1,5 @@
-"""`StopOnSignal`: SIGTERM or SIGINT finishes the step, saves a checkpoint and stops the run."""
+"""SIGTERM or SIGINT: `StopOnSignal` finishes the step, saves a checkpoint and stops the run; outside the
+training loop (`InterruptOnSignal`: warm start, engine start, evaluations) the run stops at once."""
 from __future__ import annotations
 
 import signal
@@ -9,17 +10,9 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from spectrain.errors import SpecTrainError
+from spectrain.errors import RunInterrupted
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
-class RunInterrupted(SpecTrainError):
-    """The run stopped on a signal after saving a checkpoint; `exit_code` is the shell's 128 + signal."""
-
-    def __init__(self, message: str, signum: int) -> None:
-        super().__init__(message)
-        self.exit_code = 128 + signum
 
 
 class StopOnSignal(Callback):
@@ -78,3 +71,32 @@ class StopOnSignal(Callback):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+
+
+class InterruptOnSignal:
+    """Outside the training loop there is no step to finish: SIGTERM or SIGINT stops at once with the
+    same one-line `RunInterrupted` (and exit code) as in the loop, naming what was running.
+
+    `SpecTrainer.fit` installs it for the whole run and sets `phase` as it goes; `StopOnSignal`
+    takes over inside the loop and gives it back after. An interrupted warm start leaves no cache
+    (a cache appears in one rename when complete), so the same command always continues the run.
+    """
+
+    def __init__(self) -> None:
+        self.phase = "the start-up checks: nothing was written"
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "InterruptOnSignal":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._interrupt) for sig in _SIGNALS}
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _interrupt(self, signum: int, frame) -> None:
+        self.__exit__()  # a second signal gets the default behaviour
+        raise RunInterrupted(f"stopped by {signal.Signals(signum).name} during {self.phase}. Run the same command "
+                             f"again to continue.", signum)

@@ -14,10 +14,11 @@ import json
 import os
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 from spectrain.config import DEFAULT_RECIPE, load_config, to_yaml
-from spectrain.errors import ConfigError, SpecTrainError
+from spectrain.errors import ConfigError, InputWarning, SpecTrainError
 
 BENCHMARKS = ("drift", "draft_optimizer", "cp", "pp", "adaptive", "kernels")
 ERROR_FILE_ENV = "SPECTRAIN_ERROR_FILE"  # set for the ranks by a relaunching `spectrain fit`: they report to it
@@ -30,6 +31,8 @@ def _rank() -> int:
 def _fit(args) -> int:
     from spectrain.train.trainer import SpecTrainer
 
+    if ERROR_FILE_ENV in os.environ or _rank() != 0:  # the launching process (or rank 0) gave the input warnings
+        warnings.filterwarnings("ignore", category=InputWarning)
     config = load_config(args.recipe, args.overrides)
     p = config.parallel
     # not under torchrun yet: start it (its run id, not LOCAL_WORLD_SIZE, which an in-process vLLM engine sets)

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from spectrain.errors import ConfigError
+
 
 def machine_label() -> str:
     """CPU model, core count, torch threads and torch version."""
@@ -18,7 +20,13 @@ def machine_label() -> str:
 
 
 def resolve_device(accelerator: str) -> torch.device:
-    """The trainer's device for `trainer.accelerator` (Lightning's `auto` takes CUDA when there is one)."""
+    """The trainer's device for `trainer.accelerator` (Lightning's `auto` takes CUDA when there is one); `cuda` on a
+    machine without it is refused here, at start-up, not by torch's assertion at the first tensor."""
+    if accelerator == "cuda" and not torch.cuda.is_available():
+        why = ("this torch build has no CUDA support" if torch.version.cuda is None
+               else "torch finds no CUDA device on this machine")
+        raise ConfigError(f"trainer.accelerator: is cuda, but {why}; use trainer.accelerator=auto (CUDA when there "
+                          f"is one) or trainer.accelerator=cpu")
     if accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -3,16 +3,19 @@
 A recipe is an omegaconf YAML file. `defaults: [name, ...]` lists recipes it inherits
 from (resolved beside it, then among the packaged recipes), merged in order, then the file
 itself, then `key=value` overrides from the command line. Everything is merged onto the
-schema's dataclasses, so unknown keys and wrong types fail at load time, and `validate`
-rejects impossible values before any work starts. Every error names the key and the fix.
+schema's dataclasses, so unknown keys and wrong types fail at load time; the paths then have
+`~` and `$VARS` expanded (`PATH_KEYS`), and `validate` rejects impossible values before any
+work starts. Every error names the key and the fix.
 """
 from __future__ import annotations
 
 import os
+import re
 from importlib import resources
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from spectrain.config.schema import DEFAULT_RECIPE, SpecTrainConfig
@@ -137,6 +140,22 @@ def _leaf_keys(node: DictConfig, prefix: str = "") -> set[str]:
     return keys
 
 
+def _missing_keys(node: DictConfig | ListConfig, prefix: str = "") -> set[str]:
+    """The `???` keys under `node`, found without resolving it: a layer's interpolations may point into others
+    (omegaconf's `missing_keys` resolves them, and fails on those)."""
+    if isinstance(node, DictConfig):
+        children = [(f"{prefix}.{k}" if prefix else str(k), node._get_node(k)) for k in node.keys()]
+    else:
+        children = [(f"{prefix}[{i}]", node._get_node(i)) for i in range(len(node))]
+    keys = set()
+    for key, child in children:
+        if child._is_missing():
+            keys.add(key)
+        elif isinstance(child, (DictConfig, ListConfig)) and not (child._is_none() or child._is_interpolation()):
+            keys |= _missing_keys(child, key)
+    return keys
+
+
 def _first_line(exc: Exception) -> str:
     return str(exc).strip().splitlines()[0]
 
@@ -166,25 +185,116 @@ if not OmegaConf.has_resolver("spectrain.asset"):
     OmegaConf.register_resolver("spectrain.asset", asset_path)
 
 
+# the keys that hold paths: what to give, and what null means there (said when one is empty)
+PATH_KEYS = {
+    "policy.path": "a Hugging Face model directory, or null for the toy policy",
+    "tokenizer.path": "a Hugging Face tokenizer directory, or null for policy.path's own tokenizer",
+    "draft.path": "an EAGLE-3 draft directory, or null for a draft started from scratch (draft.init=scratch)",
+    "data.train_files": "a .jsonl, .json or .parquet file (or a list of them), or null for task.name=arithmetic",
+    "data.val_files": "a .jsonl, .json or .parquet file (or a list of them), or null to hold out prompts drawn "
+                      "from the train prompts",
+    "reward.path": "a .py file defining reward.function, or null for a built-in reward.name",
+    "trainer.run_dir": "the run's directory, e.g. runs/my_run",
+    "trainer.warmstart_dir": "a directory, or null for <run_dir>/warmstart",
+}
+_FILE_LISTS = ("data.train_files", "data.val_files")  # a path or a list of paths
+_ENV_VAR = re.compile(r"\$(?:\{([A-Za-z_]\w*)\}|([A-Za-z_]\w*))")
+_BARE_BRACES = re.compile(r"(?<!\\)\$\{([A-Za-z_]\w*)\}")  # ${NAME}: an environment variable, not a config key
+
+
+def _check_empty_overrides(overrides: list[str]) -> None:
+    """`policy.path=` (and `=~`) would reach omegaconf as null, silently meaning the default: refuse them."""
+    for item in overrides:
+        key, _, value = item.partition("=")
+        key = key.strip()
+        if key in PATH_KEYS and value.strip() in ("", "~"):
+            what = "is empty" if not value.strip() else "is ~, which YAML reads as null"
+            raise ConfigError(f"{key}: {what}; give {PATH_KEYS[key]}")
+
+
+def _escape_braces(raw):
+    return _BARE_BRACES.sub(r"\\${\1}", raw) if isinstance(raw, str) else raw
+
+
+def _escape_env_braces(layer: DictConfig) -> None:
+    """`${HOME}` in a path is the environment variable: escaped in each layer, omegaconf leaves it for
+    `_expand_paths` (and still resolves `${spectrain.asset:...}` and dotted keys)."""
+    for key in PATH_KEYS:
+        section_name, _, name = key.partition(".")
+        section = layer._get_node(section_name)
+        if not isinstance(section, DictConfig) or section._is_none() or section._is_missing():
+            continue
+        raw = OmegaConf.to_container(section, resolve=False).get(name)
+        escaped = [_escape_braces(item) for item in raw] if isinstance(raw, list) else _escape_braces(raw)
+        if escaped != raw:
+            section[name] = escaped
+
+
+def _expand_path(key: str, value: object, hint: str) -> str:
+    """`~` and `$NAME` / `${NAME}` expanded; an empty path or an unset variable refused."""
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}: is {value!r}, not a path; give {hint}")
+    if not value.strip():
+        raise ConfigError(f"{key}: is empty; give {hint}")
+
+    def variable(match: re.Match) -> str:
+        name = match.group(1) or match.group(2)
+        if name not in os.environ:
+            raise ConfigError(f"{key}: {match.group(0)} in {value!r} is not set in the environment; export {name}, "
+                              f"or write the path out")
+        return os.environ[name]
+
+    return _ENV_VAR.sub(variable, os.path.expanduser(value))
+
+
+def _expand_paths(config: SpecTrainConfig) -> None:
+    """Every path key with `~` and `$VARS` expanded, once, so everything downstream (and show-config) sees the
+    paths that are used."""
+    for key, hint in PATH_KEYS.items():
+        section_name, _, name = key.partition(".")
+        section = getattr(config, section_name)
+        value = getattr(section, name)
+        if value is None:
+            continue
+        if key in _FILE_LISTS and isinstance(value, list):
+            if not value:
+                raise ConfigError(f"{key}: is an empty list; give {hint}")
+            value = [_expand_path(f"{key}[{i}]", entry, hint) for i, entry in enumerate(value)]
+        else:
+            value = _expand_path(key, value, hint)
+        setattr(section, name, value)
+
+
+def _parse_overrides(overrides: list[str]) -> DictConfig:
+    """The command line as one layer; an override whose value is not YAML is named (`[a,{]`, `[${X}/a]`)."""
+    layer = OmegaConf.create()
+    for item in overrides:
+        try:
+            layer.merge_with_dotlist([item])
+        except (OmegaConfBaseException, yaml.YAMLError) as exc:
+            reason = getattr(exc, "problem", None) or _first_line(exc)
+            raise ConfigError(f"override '{item}' cannot be parsed ({reason}); its value is read as YAML: quote "
+                              f"items with braces or commas, e.g. 'data.train_files=[\"${{HOME}}/a.jsonl\"]'") from exc
+    return layer
+
+
 def load_config(recipe: str | None = None, overrides: list[str] | None = None) -> SpecTrainConfig:
-    """Load a recipe (default: the embedded tiny CPU recipe), apply overrides, validate."""
+    """Load a recipe (default: the embedded tiny CPU recipe), apply overrides, expand the paths, validate."""
     cfg = OmegaConf.structured(SpecTrainConfig)
     path = resolve_recipe(recipe or DEFAULT_RECIPE)
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override '{item}' must look like key=value, e.g. trainer.max_steps=10")
-    try:
-        layers = _load_with_defaults(path) + [OmegaConf.from_dotlist(list(overrides or []))]
-    except OmegaConfBaseException as exc:
-        raise ConfigError(f"command-line overrides {overrides} cannot be parsed: {_first_line(exc)}") from exc
+    _check_empty_overrides(list(overrides or []))
+    layers = _load_with_defaults(path) + [_parse_overrides(list(overrides or []))]
     required: set[str] = set()
     for i, layer in enumerate(layers):
         origin = f"recipe {path}" if i < len(layers) - 1 else "command-line override"
+        _escape_env_braces(layer)
         cfg = _merge(cfg, layer, origin)
         # omegaconf keeps the old value when merging `???` onto it, so track required keys per layer
-        marked = set(OmegaConf.missing_keys(layer))
-        required = (required - _leaf_keys(layer)) | marked
-    missing = sorted(required | set(OmegaConf.missing_keys(cfg)))
+        required = (required - _leaf_keys(layer)) | _missing_keys(layer)
+    missing = sorted(required | _missing_keys(cfg))
     if missing:
         raise ConfigError(f"required values are missing (???): {missing}; set them in the recipe "
                           f"or on the command line, e.g. {missing[0]}=...")
@@ -193,6 +303,7 @@ def load_config(recipe: str | None = None, overrides: list[str] | None = None) -
     except OmegaConfBaseException as exc:  # an interpolation that does not resolve
         reason = _first_line(exc).split("resolving interpolation: ")[-1]
         raise ConfigError(f"{getattr(exc, 'full_key', '?')}: {reason}") from exc
+    _expand_paths(config)
     validate(config)
     return config
 

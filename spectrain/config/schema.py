@@ -1,4 +1,7 @@
-"""The config schema: one dataclass per recipe section, with defaults that run the tiny CPU recipe."""
+"""The config schema: one dataclass per recipe section, with defaults that run the tiny CPU recipe.
+
+The keys that hold paths (`loading.PATH_KEYS`) have `~` and `$VARS` expanded when a recipe is loaded.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -48,9 +51,9 @@ class TaskConfig:
 
 @dataclass
 class DataConfig:
-    """Prompt files, in verl's key names: JSONL or parquet rows with a prompt and a reference answer."""
+    """Prompt files, in verl's key names: JSONL, JSON or parquet rows with a prompt and a reference answer."""
 
-    train_files: Any = None  # a path or a list of paths (.jsonl, .parquet); used when task.name=files
+    train_files: Any = None  # a path or a list of paths (.jsonl, .json, .parquet); used when task.name=files
     val_files: Any = None  # held-out prompts; None: drawn from the train files with the evaluation seed
     prompt_key: str = "prompt"  # a string, or a list of chat messages ({role, content}); dotted for nested keys
     answer_key: str = "answer"  # the reference the reward compares with (e.g. reward_model.ground_truth)

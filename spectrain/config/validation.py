@@ -7,7 +7,7 @@ from typing import Any
 
 from spectrain.config.schema import (ATTENTION_BACKENDS, DRAFT_LOSS_KERNELS, POLICY_DTYPES, PP_STAGES_PER_RANK,
                                      ROLLOUT_ENGINES, VLLM_KWARGS_SET_BY_SPECTRAIN, SpecTrainConfig)
-from spectrain.errors import ConfigError
+from spectrain.errors import ConfigError, warn_input
 from spectrain.tasks.rewards import REWARD_FNS
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -80,8 +80,6 @@ def _check_policy(c: SpecTrainConfig) -> None:
     _one_of(p.attention_backend, "policy.attention_backend", ATTENTION_BACKENDS)
     _one_of(c.rollout.dtype, "rollout.dtype", ("auto", *POLICY_DTYPES))
     if p.path is not None:  # the checkpoint's config.json decides the architecture (checked when it is read)
-        _require(bool(p.path.strip()), "policy.path", "is empty; give a Hugging Face model directory, or null for "
-                 "the toy policy")
         return
     _require(p.num_attention_heads % p.num_key_value_heads == 0, "policy.num_key_value_heads",
              f"num_attention_heads={p.num_attention_heads} must be a multiple of it")
@@ -180,8 +178,9 @@ def _check_draft(c: SpecTrainConfig) -> None:
     _one_of(d.loss_kernel, "draft.loss_kernel", DRAFT_LOSS_KERNELS)
     _require(d.init != "path" or bool(d.path), "draft.path",
              "draft.init=path needs draft.path=/path/to/eagle3_draft (a vLLM / SpecForge EAGLE-3 directory)")
-    _require(d.draft_vocab_size is None or d.draft_vocab_size >= 1, "draft.draft_vocab_size",
-             f"is {d.draft_vocab_size}; give a token count >= 1 (e.g. 32000), or null for the policy's vocabulary")
+    _require(d.draft_vocab_size is None or d.draft_vocab_size >= 2, "draft.draft_vocab_size",
+             f"is {d.draft_vocab_size}; the stop token always takes one of its ids, so the draft could propose "
+             f"nothing else: give >= 2 (e.g. 32000), or null for the policy's vocabulary")
     if c.policy.path is not None:
         return  # the layer count comes from the checkpoint: checked when the draft is built
     _require(0 < d.pass_decay <= 1, "draft.pass_decay", f"is {d.pass_decay}; it must be in (0, 1]")
@@ -249,9 +248,6 @@ def _check_trainer(c: SpecTrainConfig) -> None:
     _one_of(t.resume, "trainer.resume", ("auto", "never"))
     _one_of(t.logger, "trainer.logger", ("csv", "tensorboard"))
     _require(0 <= t.seed <= _MAX_SEED, "trainer.seed", f"is {t.seed}; it must be in 0..{_MAX_SEED}")
-    _require(bool(t.run_dir.strip()), "trainer.run_dir", "is empty; give the run's directory, e.g. runs/my_run")
-    _require(t.warmstart_dir is None or bool(t.warmstart_dir.strip()), "trainer.warmstart_dir",
-             "is empty; give a directory, or null for <run_dir>/warmstart")
     _require(t.warmstart_dir is None or Path(t.warmstart_dir).resolve() != Path(t.run_dir).resolve(),
              "trainer.warmstart_dir", "is the run directory itself; use a directory of its own, or null for "
              "<run_dir>/warmstart")
@@ -261,9 +257,41 @@ def _check_trainer(c: SpecTrainConfig) -> None:
                  f"e.g. my_pkg.callbacks.MyCallback")
 
 
+def _paths(files) -> list[str]:
+    return [files] if isinstance(files, str) else list(files or [])
+
+
+def _warn_val_in_train(c: SpecTrainConfig) -> None:
+    """Held-out prompts that are training prompts measure memorisation, not generalisation."""
+    train = {Path(f).resolve() for f in _paths(c.data.train_files)}
+    shared = [f for f in _paths(c.data.val_files) if Path(f).resolve() in train]
+    if shared:
+        warn_input(f"data.val_files: {', '.join(shared)} {'is' if len(shared) == 1 else 'are'} also in "
+                   f"data.train_files: the held-out curve is measured on training prompts (as with "
+                   f"data.val_files=null); give a file of prompts the run does not train on")
+
+
+def _warn_filter_without_limit(c: SpecTrainConfig) -> None:
+    if not c.data.filter_overlong_prompts and c.data.max_prompt_length is None:
+        warn_input("data.filter_overlong_prompts=false does nothing without data.max_prompt_length: it refuses "
+                   "files with prompts longer than that limit, and there is none (a prompt too long for the engine "
+                   "is refused by rollout.max_model_len either way); set data.max_prompt_length=N, or drop the key")
+
+
+def _warn_draft_without_speculation(c: SpecTrainConfig) -> None:
+    """A warning, not a refusal: co-training can be debugged on the torch engine."""
+    if c.rollout.engine == "torch" and c.draft.mode != "none":
+        trained = ", though it is still trained" if c.draft.mode == "cotrained" else ""
+        warn_input(f"draft.mode={c.draft.mode} with rollout.engine=torch: the torch engine never speculates, so the "
+                   f"draft never drafts{trained}; set draft.mode=none, or rollout.engine=vllm to speculate with it")
+
+
 def validate(c: SpecTrainConfig) -> None:
-    """Reject impossible values before any work starts; every message names the key and the fix."""
+    """Reject impossible values before any work starts, then warn about accepted ones that would not do what they
+    look like; every message names the key and the fix."""
     _check_ranges(c)
     for check in (_check_policy, _check_task, _check_reward, _check_rollout, _check_grpo, _check_draft, _check_parallel,
                   _check_speculation, _check_sync, _check_trainer):
         check(c)
+    for warn in (_warn_val_in_train, _warn_filter_without_limit, _warn_draft_without_speculation):
+        warn(c)

@@ -14,15 +14,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from spectrain.errors import ConfigError
+from spectrain.models.hf_io import check_finite, safetensors_tensors
 from spectrain.models.llama import (
     Attention,
     LlamaConfig,
@@ -36,6 +37,7 @@ from spectrain.ops.ttt_attention import ttt_attention
 from spectrain.tasks.draft_vocab import build_vocab_mapping
 
 _WEIGHTS = "model.safetensors"
+_TORCH_WEIGHTS = "pytorch_model.bin"  # the original EAGLE-3 releases
 
 # shift_fn(x, cu_seqlens, shift, fill): row i of the result is x[i + shift] of the same document.
 ShiftFn = Callable[[torch.Tensor, torch.Tensor, int, float], torch.Tensor]
@@ -535,13 +537,28 @@ def _aux_layer_ids(path: Path, raw: dict, policy_cfg: LlamaConfig | None) -> tup
     return ids
 
 
+def check_draft_weights(draft_dir: str | Path) -> None:
+    """Refuse a draft whose weights hold NaN/inf, before anything is written (a draft is one layer: a quick read)."""
+    file = _weight_file(Path(draft_dir))
+    check_finite("draft.path", file, _tensors(file))
+
+
 def _read_draft_weights(path: Path) -> dict[str, torch.Tensor]:
-    if (path / _WEIGHTS).is_file():
-        return load_file(str(path / _WEIGHTS))
-    if (path / "pytorch_model.bin").is_file():  # the original EAGLE-3 releases
-        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise ConfigError(f"draft.path={path} has no {_WEIGHTS} (or pytorch_model.bin): sharded drafts are not "
+    return dict(_tensors(_weight_file(path)))
+
+
+def _weight_file(path: Path) -> Path:
+    for name in (_WEIGHTS, _TORCH_WEIGHTS):
+        if (path / name).is_file():
+            return path / name
+    raise ConfigError(f"draft.path={path} has no {_WEIGHTS} (or {_TORCH_WEIGHTS}): sharded drafts are not "
                       "supported; merge the shards into one file")
+
+
+def _tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    if file.name == _WEIGHTS:
+        return safetensors_tensors(file)
+    return iter(torch.load(file, map_location="cpu", weights_only=True).items())
 
 
 def _drop_policy_embeddings(path: Path, state: dict[str, torch.Tensor],

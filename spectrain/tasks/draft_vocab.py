@@ -9,9 +9,12 @@ can build a mapping without importing the draft.
 """
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable, Sequence
 
 import torch
+
+VOCAB_SAMPLE = 4096  # synthetic-task examples counted for the draft vocabulary (a file source counts every row)
 
 
 def build_vocab_mapping(token_counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,17 +35,16 @@ def build_vocab_mapping(token_counts: torch.Tensor, draft_vocab_size: int) -> tu
     return d2t.long(), t2d
 
 
-def vocab_mapping_from_token_ids(
-    token_id_lists: Iterable[Sequence[int]],
-    vocab_size: int,
-    draft_vocab_size: int,
-    always_include: Sequence[int] = (),
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`build_vocab_mapping` over the token frequencies of `token_id_lists` (e.g. tokenized answers).
+def completion_token_ids(source, tokenizer) -> list[list[int]]:
+    """The train completions (worked targets, else answers), tokenized: what the draft will have to propose. A
+    source without rows to list (the synthetic task) is sampled with a fixed seed."""
+    examples = (list(source) if hasattr(source, "__iter__")
+                else source.sample(VOCAB_SAMPLE, random.Random("draft-vocab")))
+    return [tokenizer.encode(ex.target or ex.answer, add_bos=False) for ex in examples]
 
-    `always_include` (the stop and special ids) are kept whatever their count: a draft that
-    cannot propose the end of turn loses the last token of every completion.
-    """
+
+def token_counts(token_id_lists: Iterable[Sequence[int]], vocab_size: int) -> torch.Tensor:
+    """How often each target id occurs in `token_id_lists` (float64 [V])."""
     counts = torch.zeros(vocab_size, dtype=torch.float64)
     for ids in token_id_lists:
         ids = torch.as_tensor(list(ids), dtype=torch.long)
@@ -50,9 +52,46 @@ def vocab_mapping_from_token_ids(
             raise ValueError(f"token ids {int(ids.min())}..{int(ids.max())} are outside the "
                              f"vocabulary 0..{vocab_size - 1}: tokenizer and vocab_size disagree")
         counts += torch.bincount(ids, minlength=vocab_size).double()
-    forced = sorted(set(int(i) for i in always_include))
+    return counts
+
+
+def _ranked(counts: torch.Tensor, always_include: Sequence[int]) -> torch.Tensor:
+    """The counts the draft vocabulary is chosen by: `always_include` first, whatever their count."""
+    ranked = counts.clone()
+    ranked[sorted(set(int(i) for i in always_include))] = float("inf")
+    return ranked
+
+
+def vocab_mapping_from_counts(counts: torch.Tensor, draft_vocab_size: int,
+                              always_include: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """`build_vocab_mapping` over token frequencies; `always_include` (the stop and special ids) are kept whatever
+    their count: a draft that cannot propose the end of turn loses the last token of every completion."""
+    forced = set(int(i) for i in always_include)
     if len(forced) > draft_vocab_size:
         raise ValueError(f"draft_vocab_size={draft_vocab_size} cannot hold the {len(forced)} ids that "
                          "must always be in it (stop and special tokens): raise draft.draft_vocab_size")
-    counts[forced] = float("inf")
-    return build_vocab_mapping(counts, draft_vocab_size)
+    return build_vocab_mapping(_ranked(counts, always_include), draft_vocab_size)
+
+
+def vocab_mapping_from_token_ids(
+    token_id_lists: Iterable[Sequence[int]],
+    vocab_size: int,
+    draft_vocab_size: int,
+    always_include: Sequence[int] = (),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`vocab_mapping_from_counts` over the token frequencies of `token_id_lists` (e.g. tokenized answers)."""
+    return vocab_mapping_from_counts(token_counts(token_id_lists, vocab_size), draft_vocab_size, always_include)
+
+
+def coverage(counts: torch.Tensor, t2d: torch.Tensor) -> float:
+    """The share of the counted tokens the draft vocabulary `t2d` holds: the draft can propose no other, so it
+    bounds the share of drafted tokens the target can accept."""
+    total = float(counts.sum())
+    return float(counts[t2d].sum()) / total if total else 1.0
+
+
+def size_for_coverage(counts: torch.Tensor, share: float, always_include: Sequence[int] = ()) -> int:
+    """The smallest draft vocabulary (chosen as `vocab_mapping_from_counts` does) that covers `share` of `counts`."""
+    order = torch.sort(_ranked(counts, always_include), descending=True, stable=True).indices
+    covered = counts[order].cumsum(0) / max(float(counts.sum()), 1.0)
+    return min(int((covered < share).sum()) + 1, counts.numel())

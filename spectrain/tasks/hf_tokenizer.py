@@ -18,6 +18,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from spectrain.tasks.tokenizer import Prompt
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+_JSON_FILES = (*_TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json")  # what AutoTokenizer parses
+
+
+class TokenizerLoadError(ValueError):
+    """A tokenizer directory that cannot be loaded. The message names the file, not the config key: the caller
+    knows whether `tokenizer.path` or `policy.path` gave the directory."""
 
 # Qwen3's ChatML layout, reduced to what prompts need: `enable_thinking=false` pre-fills an
 # empty thinking block, as Qwen3's own template does.
@@ -107,21 +113,42 @@ def _load(path: str | Path):
 
     directory = Path(path)
     if not any((directory / name).is_file() for name in _TOKENIZER_FILES):
-        raise ValueError(f"tokenizer.path: {path} is not a Hugging Face tokenizer directory: it needs "
-                         f"{' or '.join(_TOKENIZER_FILES)}; point tokenizer.path (or policy.path) at one")
-    return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        raise TokenizerLoadError(f"{path} is not a Hugging Face tokenizer directory: it needs "
+                                 f"{' or '.join(_TOKENIZER_FILES)}")
+    try:
+        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    except Exception as exc:  # transformers and tokenizers raise anything from OSError to a bare Exception
+        raise TokenizerLoadError(_load_failure(directory, exc)) from exc
+
+
+def _load_failure(directory: Path, exc: Exception) -> str:
+    """Which file is broken when one of the JSON files is (transformers' own error names none), else its reason."""
+    for file in (directory / name for name in _JSON_FILES):
+        try:
+            json.loads(file.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            return f"{file} is not valid JSON ({err}): it is truncated or corrupt"
+        except OSError:  # absent (most are optional) or unreadable: the loader's reason below says which
+            continue
+    reason = next(iter(str(exc).strip().splitlines()), "")
+    return f"cannot load the tokenizer in {directory} ({type(exc).__name__}: {reason})"
 
 
 def _stop_ids(path: str | Path, eos_id: int | None) -> list[int]:
     """The tokenizer's EOS first, then `generation_config.json`'s `eos_token_id` (an int or a list)."""
     config = Path(path) / "generation_config.json"
-    generation_eos = json.loads(config.read_text()).get("eos_token_id") if config.is_file() else None
+    try:
+        generation_eos = json.loads(config.read_text()).get("eos_token_id") if config.is_file() else None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise TokenizerLoadError(f"{config} is not valid JSON ({err}): it is truncated or corrupt") from err
+    except OSError as err:
+        raise TokenizerLoadError(f"cannot read {config} ({err.strerror or err})") from err
     if isinstance(generation_eos, int):
         generation_eos = [generation_eos]
     stops = list(dict.fromkeys(([] if eos_id is None else [eos_id]) + list(generation_eos or [])))
     if not stops:
-        raise ValueError(f"tokenizer.path: the tokenizer in {path} has no eos_token and there is no eos_token_id "
-                         f"in its generation_config.json; set eos_token in tokenizer_config.json")
+        raise TokenizerLoadError(f"the tokenizer in {path} has no eos_token and there is no eos_token_id in its "
+                                 f"generation_config.json; set eos_token in tokenizer_config.json")
     return stops
 
 

@@ -8,20 +8,24 @@ calls a user's function in verl's `compute_score` convention. A reward that fail
 
 from __future__ import annotations
 
+import collections
 import functools
 import importlib.util
 import inspect
-import math
 import numbers
 import re
 import threading
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Callable
+
+import torch
 
 from spectrain.errors import SpecTrainError
 
 RewardFn = Callable[[str, str], float]
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 # The final answer is the text after the last marker, so worked steps before it are ignored.
 ANSWER_MARKER = ";"
@@ -139,9 +143,10 @@ class CustomReward:
         return 0.0
 
     def _score(self, result: object, completion: str, answer: str) -> float:
-        """A number, or verl's dict with a `"score"`; anything else (NaN included) is a bug in the function."""
+        """A number, or verl's dict with a `"score"`; anything else is a bug in the function (a NaN or inf is refused
+        by `score`, which knows the step and the sample)."""
         score = result.get("score") if isinstance(result, dict) else result
-        if isinstance(score, numbers.Real) and not math.isnan(score):
+        if isinstance(score, numbers.Real):
             return float(score)
         raise RewardError(f"reward.function {self.function!r} in {self.path} returned {_shorten(repr(result))} on "
                           f"{_sample(completion, answer)}; return a float, or a dict with a float 'score'")
@@ -194,6 +199,34 @@ def _call_with_timeout(call: Callable[[], object], timeout_s: float) -> object:
     if "error" in outcome:
         raise outcome["error"]
     return outcome["result"]
+
+
+def reward_name(name: str, path: str | Path | None = None, function: str | None = None) -> str:
+    """How errors name the configured reward: `reward.name`, or the custom function and its file."""
+    return f"reward.function {function!r} in {path}" if name == "custom" else f"reward.name={name}"
+
+
+def score(reward_fn: RewardFn, samples: Sequence[tuple[int, str, str]], reward: str, where: str) -> torch.Tensor:
+    """`reward_fn` on each `(prompt index, completion, answer)`, as float32 rewards.
+
+    A NaN or inf (or a number beyond float32) stops here, naming `reward`, `where` (the step), the
+    sample and its value: one such reward makes its whole group's advantages, and after one update
+    the policy, NaN, which would surface later as a failed weight sync.
+    """
+    rewards, drawn = [], collections.Counter()  # drawn: samples so far per prompt, the sample's index in its group
+    for prompt_index, completion, answer in samples:
+        value = reward_fn(completion, answer)
+        on = f"in {where} on prompt {prompt_index}, sample {drawn[prompt_index]}: {_sample(completion, answer)}"
+        try:
+            rewards.append(float(value))
+        except (TypeError, ValueError, OverflowError):  # not a number, or an int beyond any float
+            raise RewardError(f"{reward} returned {_shorten(repr(value))} {on}; return a float") from None
+        if not abs(rewards[-1]) <= _FLOAT32_MAX:  # NaN fails it too
+            raise RewardError(f"{reward} returned {value!r} {on}; a reward must be a finite float32 (a NaN "
+                              f"or inf turns its group's advantages and then the policy into NaN): fix the function "
+                              f"to return a finite score for every completion")
+        drawn[prompt_index] += 1
+    return torch.tensor(rewards, dtype=torch.float32)
 
 
 def _sample(completion: str, answer: str) -> str:

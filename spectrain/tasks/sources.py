@@ -1,4 +1,4 @@
-"""Prompt sources for GRPO: the synthetic task or prompt files (JSONL or parquet) with answers.
+"""Prompt sources for GRPO: the synthetic task or prompt files (JSONL, JSON or parquet) with answers.
 
 A source only has to draw examples (`sample(n, rng)`), so `ArithmeticTask` is one as is.
 File keys follow verl's: a prompt is a string or a list of chat messages, keys may be
@@ -21,7 +21,6 @@ from spectrain.tasks.tokenizer import CHARSET, CharTokenizer, Prompt, PromptToke
 OnBadRow = Literal["skip", "error"]
 _SHOWN_BAD_ROWS = 5  # a summary, not a dump of a broken file
 _ROW_HINT = 'each row must be an object like {"prompt": "12+34=", "answer": "46"}'
-_JSON_LINES = (".jsonl", ".json")
 _SHOWN_KEYS = 20
 
 
@@ -40,7 +39,8 @@ class _BadRow(ValueError):
 
 
 class FilePrompts:
-    """Examples from JSONL (`.jsonl`, `.json`: one object a line) and parquet files.
+    """Examples from JSONL (`.jsonl`: one object a line), JSON (`.json`: an array of objects, or JSON lines) and
+    parquet files.
 
     `target` is the worked completion the SFT warm start teaches; a row without one is
     warm-started on its answer. `prompt_template` wraps string prompts (`{prompt}` is
@@ -190,24 +190,48 @@ _MISSING = object()
 def _as_paths(files: str | Path | list[str | Path]) -> list[str | Path]:
     paths = [files] if isinstance(files, (str, Path)) else list(files)
     if not paths:
-        raise PromptFileError("no prompt files given; set data.train_files to a .jsonl or .parquet path")
+        raise PromptFileError("no prompt files given; set data.train_files to a .jsonl, .json or .parquet path")
     return paths
 
 
 def _read_rows(path: Path) -> Iterator[tuple[str, object]]:
-    """`(where, row)` pairs: a line number for JSON lines, `row N` for parquet; a line that is not JSON
-    comes as a `_BadRow`, so the bad-row accounting reports it with its line number."""
+    """`(where, row)` pairs: a line number for JSON lines, `[i]` for a JSON array, `row N` for parquet; a line that
+    is not JSON comes as a `_BadRow`, so the bad-row accounting reports it with its line number."""
     if path.is_dir():
-        raise PromptFileError(f"cannot read {path}: it is a directory; give a .jsonl or .parquet file (or a list)")
+        raise PromptFileError(f"cannot read {path}: it is a directory; give a .jsonl, .json or .parquet file (or a "
+                              f"list)")
     if path.suffix == ".parquet":
         yield from ((f"row {i}", row) for i, row in enumerate(_read_parquet(path), start=1))
-    elif path.suffix in _JSON_LINES:
-        for lineno, raw in enumerate(path.read_bytes().splitlines(), start=1):
-            if raw.strip():  # blank lines (e.g. a trailing newline) are not rows
-                yield str(lineno), _decode_json_line(raw)
+    elif path.suffix == ".jsonl":
+        yield from _json_lines(path.read_bytes())
+    elif path.suffix == ".json":
+        yield from _read_json(path)
     else:
-        raise PromptFileError(f"{path}: unknown file type {path.suffix!r}; use .jsonl / .json (one JSON object a "
-                              f"line) or .parquet")
+        raise PromptFileError(f"{path}: unknown file type {path.suffix!r}; use .jsonl (one JSON object a line), "
+                              f".json (a JSON array of objects, or JSON lines) or .parquet")
+
+
+def _json_lines(data: bytes) -> list[tuple[str, object]]:
+    """Blank lines (e.g. a trailing newline) are not rows."""
+    return [(str(lineno), _decode_json_line(raw)) for lineno, raw in enumerate(data.splitlines(), start=1)
+            if raw.strip()]
+
+
+def _read_json(path: Path) -> list[tuple[str, object]]:
+    """A `.json` file's rows, whichever it holds: one JSON array of rows, or JSON lines."""
+    data = path.read_bytes()
+    try:
+        whole = json.loads(data.decode("utf-8-sig"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        whole = err
+    if isinstance(whole, list):
+        return [(f"[{i}]", row) for i, row in enumerate(whole)]
+    rows = _json_lines(data)
+    if rows and all(isinstance(row, _BadRow) for _, row in rows):  # no line is JSON: the file is neither
+        held = "it holds one JSON object" if isinstance(whole, dict) else f"invalid JSON: {whole}"
+        raise PromptFileError(f"{path} is neither a JSON array of rows nor JSON lines ({held}); give "
+                              f"[{{\"prompt\": ..., \"answer\": ...}}, ...] or one such object a line")
+    return rows
 
 
 def _read_parquet(path: Path) -> list[dict]:

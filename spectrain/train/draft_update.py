@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 from spectrain.models.eagle3 import Eagle3Draft, TTTMetrics, ttt_loss
 from spectrain.parallel.plan import DraftInputs
@@ -21,6 +22,7 @@ class DraftUpdate:
     loss: float  # the update's TTT loss (summed over ranks: each holds its share)
     metrics: TTTMetrics  # per-pass sums, summed over ranks
     applied: bool  # False: skipped for a non-finite loss or gradient norm, the draft untouched
+    grad_norm: float = math.nan  # after the gradient reduction; NaN where not computed (a NaN loss, no draft here)
 
 
 def draft_loss(draft: Eagle3Draft, chunks: Sequence[DraftInputs], ttt_passes: int,
@@ -72,11 +74,12 @@ def draft_update(draft: Eagle3Draft, optimizer: torch.optim.Optimizer, chunks: S
     """One optimizer step of the draft on `chunks` (the policy's detached taps and teacher logits).
 
     A non-finite loss or gradient norm skips the step and leaves the draft and its optimizer
-    state untouched; the policy is never touched. Across ranks: each rank passes its own
-    chunks (none where the draft does not live, e.g. the first PP stages: they add zeros of
-    `share_dtype` so every rank runs the same collectives), `sum_over_ranks` adds the shares
-    so every rank takes the same skip decision, and `reduce_gradients` makes the gradients
-    the single-process ones before clipping. `loss_kernel` is `draft.loss_kernel`.
+    state untouched (callers warn: `warn_if_skipped`); the policy is never touched. Across
+    ranks: each rank passes its own chunks (none where the draft does not live, e.g. the first
+    PP stages: they add zeros of `share_dtype` so every rank runs the same collectives),
+    `sum_over_ranks` adds the shares so every rank takes the same skip decision, and
+    `reduce_gradients` makes the gradients the single-process ones before clipping.
+    `loss_kernel` is `draft.loss_kernel`.
     """
     hosts = bool(chunks)
     loss, metrics = (draft_loss(draft, chunks, ttt_passes, pass_decay, loss_kernel) if hosts
@@ -84,14 +87,26 @@ def draft_update(draft: Eagle3Draft, optimizer: torch.optim.Optimizer, chunks: S
     total = sum_over_ranks(loss.detach().clone())
     metrics = TTTMetrics(*(sum_over_ranks(t) for t in (metrics.loss_sum, metrics.correct, metrics.count)))
     optimizer.zero_grad(set_to_none=True)
-    applied = math.isfinite(total.item())
+    applied, grad_norm = math.isfinite(total.item()), math.nan
     if hosts and applied:
         backward(loss)
         if reduce_gradients is not None:
             reduce_gradients(draft)
-        applied = math.isfinite(torch.nn.utils.clip_grad_norm_(draft.parameters(), grad_clip).item())
+        grad_norm = torch.nn.utils.clip_grad_norm_(draft.parameters(), grad_clip).item()
+        applied = math.isfinite(grad_norm)
     if not applied:
         optimizer.zero_grad(set_to_none=True)
     elif hosts:
         optimizer.step()
-    return DraftUpdate(total.item(), metrics, applied)
+    return DraftUpdate(total.item(), metrics, applied, grad_norm)
+
+
+def warn_if_skipped(update: DraftUpdate, where: str) -> None:
+    """Say so when `draft_update` skipped a non-finite update. Skipping, not stopping, is deliberate: the draft
+    only speeds up rollouts, its inputs are detached from the policy, and a skipped update leaves it and its
+    optimizer as they were, so a bad batch costs one update of the draft, never the run (docs/cotraining.md)."""
+    if not update.applied:
+        rank_zero_warn(f"[spectrain] draft update skipped ({where}): loss {update.loss:.4g}, gradient norm "
+                       f"{update.grad_norm:.4g}: not finite. The draft and its optimizer are unchanged and the "
+                       f"policy is untouched; if it repeats (draft/skipped_steps), lower draft.lr, check the rewards "
+                       f"and policy/grad_norm, or train in float32 (policy.dtype=float32) if it is bf16 overflow.")

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from spectrain.config import SpecTrainConfig
-from spectrain.errors import ConfigError
+from spectrain.errors import ConfigError, warn_input
 from spectrain.machine import resolve_device
 from spectrain.models.llama import LlamaConfig, LlamaForCausalLM
 
@@ -27,17 +27,18 @@ def build_tokenizer(config: SpecTrainConfig):
         from spectrain.tasks.tokenizer import CharTokenizer
 
         return CharTokenizer()
-    from spectrain.tasks.hf_tokenizer import HFTokenizer
+    from spectrain.tasks.hf_tokenizer import HFTokenizer, TokenizerLoadError
 
     try:
         return HFTokenizer(path, chat_template=t.chat_template, chat_template_kwargs=dict(t.chat_template_kwargs),
                            system_prompt=t.system_prompt)
+    except TokenizerLoadError as exc:  # names the file; the key that gave the directory is known here
+        fix = ("restore it, or point tokenizer.path at another tokenizer directory" if t.path else
+               "restore it (e.g. copy the checkpoint again), or set tokenizer.path to the tokenizer it was trained "
+               "with")
+        raise ConfigError(f"{'tokenizer.path' if t.path else 'policy.path'}: {exc}; {fix}") from exc
     except ValueError as exc:  # the message names its tokenizer.* key
         raise ConfigError(str(exc)) from exc
-    except OSError as exc:
-        key = "tokenizer.path" if t.path else "policy.path"
-        raise ConfigError(f"{key}: cannot load a tokenizer from {path} ({exc}); give a Hugging Face directory "
-                          f"with tokenizer.json / tokenizer_config.json, or set tokenizer.path") from exc
 
 
 def file_prompts(config: SpecTrainConfig, files, tokenizer, key: str):
@@ -56,8 +57,8 @@ def file_prompts(config: SpecTrainConfig, files, tokenizer, key: str):
     except ValueError as exc:  # the tokenizer refusing a prompt (e.g. chat messages without a chat template)
         raise ConfigError(f"{exc} (while reading {key})") from exc
     except OSError as exc:
-        raise ConfigError(f"{key}: cannot read {files} ({exc.strerror or exc}); give the path of a JSONL or "
-                          f"parquet prompt file (or a list of them)") from exc
+        raise ConfigError(f"{key}: cannot read {files} ({exc.strerror or exc}); give the path of a .jsonl, "
+                          f".json or .parquet prompt file (or a list of them)") from exc
 
 
 def build_reward_fn(config: SpecTrainConfig):
@@ -84,14 +85,16 @@ def model_identity(config: SpecTrainConfig) -> dict | None:
 
 
 def check_policy_path(config: SpecTrainConfig) -> LlamaConfig | None:
-    """The checkpoint's architecture, read (its weights only listed) to fail early on a bad `policy.path`."""
+    """The checkpoint's architecture, and its weights scanned for NaN/inf (streamed, see `check_finite`), to fail
+    early on a bad `policy.path`."""
     if config.policy.path is None:
         return None
-    from spectrain.models.hf_io import load_config, weight_files
+    from spectrain.models.hf_io import check_finite, load_config, safetensors_tensors, weight_files
 
     try:
         pretrained = load_config(config.policy.path)
-        weight_files(Path(config.policy.path))
+        for file in weight_files(Path(config.policy.path)):
+            check_finite("policy.path", file, safetensors_tensors(file))
         return pretrained
     except (OSError, ValueError) as exc:
         message = str(exc)
@@ -112,7 +115,7 @@ def build_policy(config: SpecTrainConfig, tokenizer) -> LlamaForCausalLM:
     from spectrain.models.hf_io import load_pretrained
 
     policy = load_pretrained(p.path, dtype=torch.float32)  # its errors name policy.path  # bf16 runs autocast over float32 master weights
-    check_vocab(policy.cfg.vocab_size, tokenizer.vocab_size)
+    check_vocab(config, policy.cfg.vocab_size, tokenizer.vocab_size)
     return policy
 
 
@@ -131,11 +134,44 @@ def attention_backend(config: SpecTrainConfig) -> dict[str, str]:
             "resolved": check_attention_backend(name, device, _attention_half_dtype(config))}
 
 
-def check_draft_loss_kernel(config: SpecTrainConfig) -> str:
-    """`draft.loss_kernel` checked for the trainer's device at start-up; what runs there (`auto` resolved)."""
+def check_draft_loss_kernel(config: SpecTrainConfig) -> str | None:
+    """`draft.loss_kernel` checked for the trainer's device at start-up; what runs there (`auto` resolved; None
+    without a draft)."""
     from spectrain.ops.draft_loss import resolve_loss_kernel
 
+    if config.draft.mode == "none":
+        return None  # no draft, no draft loss: whatever kernel is named never runs
     return resolve_loss_kernel(config.draft.loss_kernel, resolve_device(config.trainer.accelerator))
+
+
+DRAFT_VOCAB_COVERAGE = 0.9  # a draft vocabulary that holds fewer of the train completions' tokens is warned about
+
+
+def check_draft_vocab(config: SpecTrainConfig, model_vocab: int, source, tokenizer) -> None:
+    """`draft.draft_vocab_size` against the train completions the warm start picks it from
+    (`completion_token_ids`): refused where it cannot be built, warned about where it covers too few of their
+    tokens (the draft never proposes the others, so they bound acceptance)."""
+    from spectrain.tasks.draft_vocab import (completion_token_ids, coverage, size_for_coverage, token_counts,
+                                             vocab_mapping_from_counts)
+
+    d = config.draft
+    if d.mode == "none" or d.init == "path" or d.draft_vocab_size is None or d.draft_vocab_size == model_vocab:
+        return  # no draft, the checkpoint's own vocabulary, or the whole vocabulary
+    if d.draft_vocab_size > model_vocab:
+        raise ConfigError(f"draft.draft_vocab_size: is {d.draft_vocab_size}, more than the policy's {model_vocab} "
+                          f"tokens; give at most {model_vocab}, or null for the whole vocabulary")
+    counts = token_counts(completion_token_ids(source, tokenizer), model_vocab)
+    try:
+        _, t2d = vocab_mapping_from_counts(counts, d.draft_vocab_size, tokenizer.stop_ids)
+    except ValueError as exc:
+        raise ConfigError(f"draft.draft_vocab_size: {exc}") from exc
+    covered = coverage(counts, t2d)
+    if covered < DRAFT_VOCAB_COVERAGE:
+        enough = size_for_coverage(counts, DRAFT_VOCAB_COVERAGE, tokenizer.stop_ids)
+        warn_input(f"draft.draft_vocab_size={d.draft_vocab_size} covers only {covered:.1%} of the train "
+                   f"completions' tokens: the draft can never propose the other {1 - covered:.1%}, so acceptance is "
+                   f"bounded; raise it ({enough} ids cover {DRAFT_VOCAB_COVERAGE:.0%}), or set it to null for the "
+                   f"policy's whole vocabulary")
 
 
 def policy_attention_ops(config: SpecTrainConfig):
@@ -145,12 +181,20 @@ def policy_attention_ops(config: SpecTrainConfig):
     return build_attention_ops(config.policy.attention_backend, _attention_half_dtype(config))
 
 
-def check_vocab(model_vocab: int, tokenizer_vocab: int) -> None:
-    """A model may pad its vocabulary beyond the tokenizer's (ids it never sees), never the other way round."""
-    if tokenizer_vocab > model_vocab:
+def check_vocab(config: SpecTrainConfig, model_vocab: int, tokenizer_vocab: int) -> None:
+    """A model may pad its vocabulary beyond the tokenizer's (ids it never sees), never the other way round. The fix
+    depends on who brought the tokenizer: `tokenizer.path`, or the checkpoint itself."""
+    if tokenizer_vocab <= model_vocab:
+        return
+    crash = "ids beyond the model's embedding would crash the forward"
+    if config.tokenizer.path is not None:
         raise ConfigError(f"tokenizer.path: the tokenizer has {tokenizer_vocab} tokens but the policy's vocab_size is "
-                          f"{model_vocab}: ids beyond the model's embedding would crash the forward. Use the "
-                          f"checkpoint's own tokenizer (leave tokenizer.path null) or one it was trained with")
+                          f"{model_vocab}: {crash}. Use the checkpoint's own tokenizer (tokenizer.path=null) or one "
+                          f"it was trained with")
+    raise ConfigError(f"policy.path: the checkpoint's own tokenizer has {tokenizer_vocab} tokens but its config.json "
+                      f"says vocab_size={model_vocab}: {crash}, so the checkpoint is inconsistent. Fix vocab_size in "
+                      f"{Path(config.policy.path) / 'config.json'}, or set tokenizer.path to the tokenizer the model "
+                      f"was trained with")
 
 
 def check_context(config: SpecTrainConfig, pretrained: LlamaConfig) -> None:
@@ -161,16 +205,18 @@ def check_context(config: SpecTrainConfig, pretrained: LlamaConfig) -> None:
 
 
 def check_draft_path(config: SpecTrainConfig, pretrained: LlamaConfig | None) -> None:
-    """`draft.path`'s config read and, for a pretrained policy, checked against it (weights load in the warm start)."""
+    """`draft.path`'s config read and, for a pretrained policy, checked against it; its weights scanned for NaN/inf
+    (they load in the warm start)."""
     d = config.draft
     if d.mode == "none" or d.init != "path":
         return
-    from spectrain.models.eagle3 import read_draft_config
+    from spectrain.models.eagle3 import check_draft_weights, read_draft_config
 
     with warnings.catch_warnings():  # a missing eagle_config is reported once, when the draft loads
         warnings.simplefilter("ignore")
         try:
             read_draft_config(d.path, pretrained)
+            check_draft_weights(d.path)
         except OSError as exc:
             raise ConfigError(f"draft.path: cannot read {d.path} ({exc}); give an EAGLE-3 directory in vLLM's or "
                               f"SpecForge's layout") from exc

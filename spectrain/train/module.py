@@ -10,6 +10,7 @@ afterwards.
 from __future__ import annotations
 
 import copy
+import math
 import time
 import zlib
 from dataclasses import dataclass, replace
@@ -20,6 +21,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from spectrain.config import SpecTrainConfig
+from spectrain.errors import NonFiniteError
 from spectrain.models.llama import LlamaForCausalLM
 from spectrain.parallel.fsdp import shard_optimizer_state
 from spectrain.parallel.plan import DraftInputs, LocalPlan, TrainPlan, ttt_valid_tokens
@@ -29,7 +31,8 @@ from spectrain.rollout.engine import Completion, LoadStats, RolloutEngine, Sampl
 from spectrain.rollout.speculation.controllers import uses_step_loop
 from spectrain.rollout.speculation.long_tail import LongTailPolicy, LongTailTrainer
 from spectrain.rollout.speculation.stepwise import StepwiseRollouts
-from spectrain.train.draft_update import DraftUpdate, draft_optimizer, draft_update
+from spectrain.tasks.rewards import reward_name, score
+from spectrain.train.draft_update import DraftUpdate, draft_optimizer, draft_update, warn_if_skipped
 
 
 @dataclass
@@ -47,13 +50,15 @@ class RolloutStats:
 
 class GRPOModule(L.LightningModule):
     def __init__(self, config: SpecTrainConfig, policy: LlamaForCausalLM, draft: torch.nn.Module | None,
-                 tokenizer, reward_fn, draft_warmup_state: dict | None = None) -> None:
+                 tokenizer, reward_fn, draft_warmup_state: dict | None = None, reward: str | None = None) -> None:
         super().__init__()
         self.config = config
         self.policy = policy
         self.draft = draft
         self.tokenizer = tokenizer
         self.reward_fn = reward_fn
+        r = config.reward  # how errors name the reward: the configured one, or `reward` (a subclass's hook)
+        self.reward_name = reward or reward_name(r.name, r.path, r.function)
         self.draft_warmup_state = draft_warmup_state  # the warm-up's AdamW state, carried into co-training
         self.automatic_optimization = False
         # KL(policy || warm start) needs the warm start frozen beside the policy
@@ -77,6 +82,11 @@ class GRPOModule(L.LightningModule):
     @property
     def trains_draft(self) -> bool:
         return self.draft is not None and self.config.draft.mode == "cotrained"
+
+    @property
+    def current_step(self) -> int:
+        """The step in flight, counted from 1 as `trainer.max_steps` counts (`global_step` counts finished ones)."""
+        return self.global_step + 1
 
     @override
     def configure_optimizers(self):
@@ -142,7 +152,7 @@ class GRPOModule(L.LightningModule):
         """Generate `n` samples per prompt on the rollout rank, score them, share with every rank.
 
         `train_in_tail` lets long-tail spot steps train the draft during it: training rollouts only
-        (an evaluation must not change the draft, and runs without gradients).
+        (an evaluation must not change the draft, and runs without gradients); errors name the rollout by it.
         """
         result = None
         if self.plan.is_rollout_rank:
@@ -154,8 +164,11 @@ class GRPOModule(L.LightningModule):
             completions = self.generate_rollout(prompts, self.sampling_config(n, greedy), train_in_tail)
             seconds = time.perf_counter() - started
             spec = self.engine.spec_decode_counters() - before
-            rewards = torch.tensor([self.reward_fn(self.tokenizer.decode(c.token_ids), examples[c.prompt_index].answer)
-                                    for c in completions], dtype=torch.float32)
+            where = (f"the step-{self.current_step} rollout" if train_in_tail
+                     else f"the held-out evaluation after step {self.global_step}")
+            rewards = score(self.reward_fn, [(c.prompt_index, self.tokenizer.decode(c.token_ids),
+                                              examples[c.prompt_index].answer) for c in completions],
+                            self.reward_name, where)
             stats = RolloutStats(seconds, len(completions), sum(len(c.token_ids) for c in completions), spec,
                                  self.engine.take_load_stats())
             result = (completions, rewards, stats)
@@ -191,6 +204,7 @@ class GRPOModule(L.LightningModule):
                                   pass_decay=d.pass_decay, grad_clip=d.grad_clip, backward=self.manual_backward,
                                   loss_kernel=d.loss_kernel)
             self.count_draft_update(update)
+            warn_if_skipped(update, f"a spot update in the step-{self.current_step} rollout")
             return update
 
         return LongTailTrainer(LongTailPolicy(lt.threshold, lt.max_steps), spot_update)
@@ -232,7 +246,7 @@ class GRPOModule(L.LightningModule):
         results, stats = [], []
         for i, (epoch, docs) in enumerate(updates):
             part = batch if len(docs) == batch.num_docs else batch.select(docs)
-            result, update_stats = self.policy_update(part, capture if epoch == 0 else (), last=i == len(updates) - 1)
+            result, update_stats = self.policy_update(part, capture if epoch == 0 else (), i, len(updates))
             results.append(result)
             stats.append(update_stats)
         # the draft sees every document once, from the first pass; its loss is normalised over the whole rollout
@@ -274,18 +288,19 @@ class GRPOModule(L.LightningModule):
         if load.preemptions and not self._warned_preemption:
             self._warned_preemption = True
             rank_zero_warn(
-                f"[spectrain] vLLM preempted {load.preemptions} sequences in the step-{self.global_step} rollout (at most "
-                f"{load.max_running} ran at once, {load.max_waiting} waited): its KV cache does not hold "
+                f"[spectrain] vLLM preempted {load.preemptions} sequences in the step-{self.current_step} rollout "
+                f"(at most {load.max_running} ran at once, {load.max_waiting} waited): its KV cache does not hold "
                 f"rollout.prompts_per_step x rollout.group_size sequences, so it evicts and recomputes them (slow). "
                 f"Raise rollout.kv_cache_gib, or lower rollout.prompts_per_step. Logged per step as rollout/preemptions.")
 
-    def policy_update(self, part: RolloutBatch, capture: tuple[int, ...], last: bool):
-        """One clipped policy-gradient update on `part` of the rollout.
+    def policy_update(self, part: RolloutBatch, capture: tuple[int, ...], index: int, count: int):
+        """Update `index` (of the step's `count`): one clipped policy-gradient update on `part` of the rollout.
 
         Ratios are taken against the engine's logprobs, which equal the trainer's before the first
         update (tests/e2e/test_engine.py), so a single update is the plain on-policy gradient and later
         ones are clipped. Only the last update steps Lightning's optimizer wrapper: `global_step`
-        counts GRPO steps (rollouts), not updates.
+        counts GRPO steps (rollouts), not updates. A non-finite loss or gradient norm stops the run
+        before the optimizer step (`check_finite_update`).
         """
         g = self.config.grpo
         num_tokens = part.num_response_tokens  # global: every rank holds the whole rollout
@@ -305,8 +320,26 @@ class GRPOModule(L.LightningModule):
         result = self.plan.policy_forward_backward(self.policy, part, loss_fn, capture, self.manual_backward)
         self.plan.reduce_gradients(self.policy)
         grad_norm = self.plan.clip_grad_norm(self.policy, g.grad_clip)
-        (opt if last else opt.optimizer).step()
+        self.check_finite_update(float(result.loss), float(grad_norm), index, count)
+        (opt if index == count - 1 else opt.optimizer).step()
         return result, {"loss": result.loss.float(), "grad_norm": grad_norm.detach().float(), **shares}
+
+    def check_finite_update(self, loss: float, grad_norm: float, index: int, count: int) -> None:
+        """Stop before the optimizer step when the update's loss or gradient norm is NaN/inf: one such step makes
+        every weight NaN, which would surface only at the next weight sync.
+
+        Both values are the same on every rank (the plans sum the loss shares over the ranks, and the norm is taken
+        after the gradient reduction), so every rank raises the same error and none steps alone.
+        """
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            return
+        bf16 = ", bf16 overflow (policy.dtype=float32)" if self.config.policy.dtype == "bfloat16" else ""
+        raise NonFiniteError(
+            f"policy update {index + 1} of {count} in step {self.current_step}: the loss ({loss:.4g}) or the gradient "
+            f"norm ({grad_norm:.4g}) is not finite. Stopped before the optimizer step: no weight was changed by it, "
+            f"nothing of this step was synced or checkpointed, and the last checkpoint (if any) is intact. Likely "
+            f"causes: a learning rate too high (lower grpo.lr), extreme rewards or advantages (check the reward "
+            f"function){bf16}. A resume would repeat this step exactly: fix the cause in a new trainer.run_dir")
 
     @torch.no_grad()
     def reference_logprobs(self, part: RolloutBatch) -> torch.Tensor:

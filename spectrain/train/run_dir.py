@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,6 +27,7 @@ class RunDir:
 
     def __init__(self, path: Path, config: SpecTrainConfig) -> None:
         self.path, self.config = Path(path), config
+        self.restarted_from: str | None = None  # `check`: how the config differs from a start that left no checkpoint
 
     @property
     def last_checkpoint(self) -> Path:
@@ -41,6 +43,7 @@ class RunDir:
         run_dir = self.path
         if run_dir.exists() and not run_dir.is_dir():
             raise RunDirError(f"{run_dir} is a file, not a directory; choose another trainer.run_dir.")
+        check_writable(run_dir, "trainer.run_dir")
         if not run_dir.exists() or not any(run_dir.iterdir()):
             return None, 0
         if not (run_dir / MARKER).is_file():
@@ -50,10 +53,11 @@ class RunDir:
             raise RunDirError(f"{run_dir} already holds a run and trainer.resume=never; choose another "
                               f"trainer.run_dir, or set trainer.resume=auto to continue it.")
         record = self.read_record()
-        self._check_same_config()
         last = self.last_checkpoint
         if not last.is_file():
+            self.restarted_from = self._config_differences()  # a start that failed early: the new config may differ
             return None, 0
+        self._check_same_config()
         if "warmstart_eval" not in record:
             raise RunDirError(f"{run_dir / MARKER} has no warm-start evaluation to resume {last} with; remove "
                               f"{last} to restart the run from its warm start, or choose another trainer.run_dir.")
@@ -62,6 +66,11 @@ class RunDir:
     def create(self) -> None:
         """Start the run directory (marker, resolved config), or say that it resumes; after `check`."""
         marker = self.path / MARKER
+        if marker.is_file() and self.restarted_from:
+            print(f"[spectrain] {self.path} holds a start that stopped before its first checkpoint: starting it again "
+                  f"with the changed config ({self.restarted_from})")
+            (self.path / "config.yaml").write_text(to_yaml(self.config))
+            return
         if marker.is_file():
             last = self.last_checkpoint
             print(f"[spectrain] resuming run in {self.path}" + ("" if last.is_file() else " (no checkpoint yet)"))
@@ -77,9 +86,18 @@ class RunDir:
                         "rollout.kv_cache_gib")
 
     def _check_same_config(self) -> None:
+        differences = self._config_differences()
+        if differences:
+            raise RunDirError(f"{self.path} was started with a different config ({differences}; see "
+                              f"{self.path / 'config.yaml'}); resume it with the same recipe and overrides (only "
+                              f"trainer.max_steps, reporting options, the paths and rollout.kv_cache_gib may change), "
+                              f"or choose another trainer.run_dir.")
+
+    def _config_differences(self) -> str | None:
+        """How this config differs from the one the run was started with, past the resume-free keys (None: same)."""
         saved = self.path / "config.yaml"
         if not saved.is_file():
-            return
+            return None
         try:  # onto the schema: keys added to spectrain since the run started get their defaults
             before = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(SpecTrainConfig),
                                                             upgrade_recorded_keys(OmegaConf.load(saved))))
@@ -90,11 +108,7 @@ class RunDir:
         for config in (before, now):
             for section, _, key in (k.partition(".") for k in self.RESUME_FREE_KEYS):
                 config[section].pop(key, None)
-        if before != now:
-            raise RunDirError(f"{self.path} was started with a different config ({describe_differences(before, now)};"
-                              f" see {saved}); resume it with the same recipe and overrides (only trainer.max_steps, "
-                              f"reporting options, the paths and rollout.kv_cache_gib may change), or choose another "
-                              f"trainer.run_dir.")
+        return describe_differences(before, now) if before != now else None
 
     def read_record(self) -> dict:
         """The run's marker file: what it recorded so far (creation time, warm-start evaluation, result)."""
@@ -116,6 +130,25 @@ class RunDir:
 
     def recorded_warm_eval(self) -> dict[str, float]:
         return self.read_record()["warmstart_eval"]
+
+
+def check_writable(path: Path, key: str) -> None:
+    """`path` exists as a writable directory, or can be created: its nearest existing ancestor is one.
+
+    Checked before any work, so a bad directory fails in one line instead of after the warm start.
+    A directory is probed by creating a file in it (permission bits say nothing to root or on a
+    read-only mount).
+    """
+    ancestor = path.absolute()
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise RunDirError(f"{key}: cannot create {path}: {ancestor} is a file, not a directory; choose another {key}.")
+    try:
+        tempfile.TemporaryFile(dir=ancestor).close()
+    except OSError as exc:
+        raise RunDirError(f"{key}: cannot write into {ancestor} ({exc.strerror or exc}); choose a {key} in a "
+                          f"writable place, or fix the permissions of {ancestor}.") from exc
 
 
 def drop_logged_steps(log_dir: Path, first_step: int) -> None:

@@ -27,7 +27,7 @@ from spectrain.models.hf_io import save_pretrained
 from spectrain.models.llama import LlamaForCausalLM
 from spectrain.train import inputs
 from spectrain.train.module import GRPOModule
-from spectrain.train.run_dir import RunDir, drop_logged_steps
+from spectrain.train.run_dir import RunDir, check_writable, drop_logged_steps
 from spectrain.parallel.fsdp import unsharded_copy
 from spectrain.parallel.mesh import world_size
 from spectrain.rollout.engine import RolloutEngine
@@ -194,7 +194,8 @@ class SpecTrainer:
         sync = self.config.sync
         callbacks.append(WeightSync(check_alive=d.check_alive and d.mode != "none", on_mismatch=sync.on_mismatch,
                                     on_dead=d.on_dead, logprob_tolerance=sync.logprob_tolerance,
-                                    weight_rtol=sync.weight_rtol, collapse_ratio=d.collapse_ratio))
+                                    weight_rtol=sync.weight_rtol, collapse_ratio=d.collapse_ratio,
+                                    frozen_draft=d.mode == "frozen"))
         if d.mode != "none":
             callbacks.append(AcceptanceLengthLogger())
         if self.config.trainer.eval_every_n_steps:  # after WeightSync: it evaluates the step's weights
@@ -220,6 +221,12 @@ class SpecTrainer:
 
     # the run ------------------------------------------------------------------------------
     def fit(self) -> FitResult:
+        from spectrain.callbacks import InterruptOnSignal
+
+        with InterruptOnSignal() as signals:  # StopOnSignal takes over inside the training loop
+            return self._fit(signals)
+
+    def _fit(self, signals) -> FitResult:
         started = time.perf_counter()
         self.strategy = self.build_strategy()
         L.seed_everything(self.config.trainer.seed, workers=True, verbose=False)
@@ -229,18 +236,23 @@ class SpecTrainer:
             self.run.record({"prompt_files": self.prompt_file_counts(),
                              "attention_backend": inputs.attention_backend(self.config)})
         self.build_inputs()  # on the other ranks: rank 0 built them while checking
+        signals.phase = "the warm start: no partial cache is left (a cache appears only when complete)"
         policy, draft = self._rank_zero_first(self._warm_start)
         policy.attention_ops = inputs.policy_attention_ops(self.config)  # the warm start keeps the default torch ops
         if self.strategy is not None:
             self.prepare_rollout_process_groups()
+        signals.phase = "the engine start: the warm start is cached"
         self._on_rank_zero(lambda: self._start_engine(policy, draft))  # every rank learns of a failed start
         try:
+            overridden = type(self).reward is not SpecTrainer.reward  # errors then name the hook, not reward.name
             self.module = GRPOModule(self.config, policy, draft, self.tokenizer, self.reward,
-                                     draft_warmup_state=warmup_optimizer_state(self.warmstart_dir))
+                                     draft_warmup_state=warmup_optimizer_state(self.warmstart_dir),
+                                     reward=f"{type(self).__name__}.reward" if overridden else None)
             self.module.engine = self.engine
             if self.strategy is not None:
                 self.strategy.connect(self.module)
             eval_examples = self.eval_examples()
+            signals.phase = "the warm-start evaluation: the warm start is cached"
             self.warm_eval = (self.evaluate(eval_examples) if resume_ckpt is None
                               else self._on_rank_zero(self.run.recorded_warm_eval))
             if self.is_rank_zero:
@@ -261,6 +273,7 @@ class SpecTrainer:
             stopper = self._callback(StopOnSignal)
             if stopper is not None and stopper.stopped_by:
                 raise stopper.interruption(self.trainer.global_step)
+            signals.phase = f"the final sync and evaluation: training is done and {self.run.last_checkpoint} holds it"
             self.sync_final_weights()
             final_eval = self.final_evaluation(eval_examples)
             # parallel.fsdp: every rank gathers the shards, rank 0 keeps the whole models (else: the modules themselves)
@@ -280,7 +293,8 @@ class SpecTrainer:
     def check_inputs(self) -> tuple[str | None, int]:
         """Everything a bad input fails, before anything is written: the run directory and the checkpoint
         to resume, the prompts (readable, fitting the engine), the reward, the recipe's callbacks, the
-        logger, the KV cache and head sizes, and the warm-start cache. A refused command leaves no trace.
+        logger, the KV cache and head sizes, the warm-start cache, the device and its kernels, and the draft
+        vocabulary (warned about where it covers too few tokens). A refused command leaves no trace.
 
         Returns the checkpoint to resume (None for a new run) and its step.
         """
@@ -288,7 +302,7 @@ class SpecTrainer:
         pretrained = inputs.check_policy_path(self.config)
         self.build_inputs()
         if pretrained is not None:
-            inputs.check_vocab(pretrained.vocab_size, self.tokenizer.vocab_size)
+            inputs.check_vocab(self.config, pretrained.vocab_size, self.tokenizer.vocab_size)
             inputs.check_context(self.config, pretrained)
         inputs.check_draft_path(self.config, pretrained)
         self.check_lengths()
@@ -297,6 +311,8 @@ class SpecTrainer:
         self.check_warmstart_cache()
         inputs.attention_backend(self.config)  # a kernel this device cannot run fails now, not at the first step
         inputs.check_draft_loss_kernel(self.config)
+        inputs.check_draft_vocab(self.config, pretrained.vocab_size if pretrained is not None
+                                 else self.tokenizer.vocab_size, self.source, self.tokenizer)  # may warn: last
         return resume
 
     def build_inputs(self) -> None:
@@ -334,13 +350,17 @@ class SpecTrainer:
                               f"{self.run_dir}/calibration.json), or set speculation.verify_budget=N")
 
     def check_warmstart_cache(self) -> None:
-        """Refuse, before any training, a warm-start cache trained under other settings (never overwritten)."""
+        """Refuse, before any training, a warm-start cache trained under other settings (never overwritten), and
+        one that is still to be written where it cannot be."""
+        missing = False
         if self.config.policy.path is None or sft_enabled(self.config):
-            cached(self.warmstart_dir, policy_cache_key(self.config), "warm-start policy")
+            missing = not cached(self.warmstart_dir, policy_cache_key(self.config), "warm-start policy")
         if self.config.draft.mode != "none":
             from spectrain.train.warm_start import draft_cache_key
 
-            cached(self.warmstart_dir / "draft", draft_cache_key(self.config), "draft warm-up")
+            missing |= not cached(self.warmstart_dir / "draft", draft_cache_key(self.config), "draft warm-up")
+        if missing:
+            check_writable(self.warmstart_dir, "trainer.warmstart_dir")
 
     def _start_engine(self, policy, draft) -> None:
         """The rollout rank starts the engine on the warm start; the other ranks get each rollout from the plan.

@@ -33,11 +33,11 @@ from spectrain.config import describe_differences
 from spectrain.config.loading import upgrade_recorded_keys
 from spectrain.errors import ConfigError, RunDirError
 from spectrain.models.eagle3 import Eagle3Config, Eagle3Draft, export_draft, load_draft
-from spectrain.tasks.draft_vocab import vocab_mapping_from_token_ids
+from spectrain.tasks.draft_vocab import completion_token_ids, vocab_mapping_from_token_ids
 from spectrain.models.hf_io import load_pretrained, read_tensor, save_pretrained
 from spectrain.models.llama import LlamaForCausalLM
 from spectrain.parallel.plan import draft_inputs_from, ttt_valid_tokens
-from spectrain.train.draft_update import draft_optimizer, draft_update
+from spectrain.train.draft_update import draft_optimizer, draft_update, warn_if_skipped
 from spectrain.batch import RolloutBatch, build_rollout_batch
 from spectrain.train.grpo import token_logprobs
 from spectrain.train.inputs import model_identity
@@ -177,9 +177,6 @@ def warm_start_policy(config, policy: LlamaForCausalLM, task, tokenizer, cache_r
     return policy, meta
 
 
-_VOCAB_SAMPLE = 4096  # synthetic-task examples counted for the draft vocabulary
-
-
 def build_draft(config, policy: LlamaForCausalLM, source, tokenizer) -> Eagle3Draft:
     """The draft to warm up: `draft.path` (an EAGLE-3 directory in vLLM's or SpecForge's layout), or a new one sized
     like one policy layer whose vocabulary is the `draft.draft_vocab_size` most frequent tokens of the train data."""
@@ -202,13 +199,10 @@ def build_draft(config, policy: LlamaForCausalLM, source, tokenizer) -> Eagle3Dr
     torch.manual_seed(config.trainer.seed + 1)
     draft = Eagle3Draft(cfg)
     if cfg.draft_vocab_size < cfg.vocab_size:
-        # the train completions (worked targets, else answers) are what the draft will have to propose; the stop ids
-        # always stay, so a draft can propose the end of a completion
-        examples = (list(source) if hasattr(source, "__iter__")
-                    else source.sample(_VOCAB_SAMPLE, random.Random("draft-vocab")))
-        completions = [tokenizer.encode(ex.target or ex.answer, add_bos=False) for ex in examples]
-        draft.set_vocab_mapping(*vocab_mapping_from_token_ids(completions, cfg.vocab_size, cfg.draft_vocab_size,
-                                                              always_include=tokenizer.stop_ids))
+        # the stop ids always stay, so a draft can propose the end of a completion (its coverage of the completions
+        # was warned about in check_inputs: inputs.check_draft_vocab)
+        draft.set_vocab_mapping(*vocab_mapping_from_token_ids(completion_token_ids(source, tokenizer), cfg.vocab_size,
+                                                              cfg.draft_vocab_size, always_include=tokenizer.stop_ids))
     return draft
 
 
@@ -223,13 +217,14 @@ def warm_up_draft(draft: Eagle3Draft, policy: LlamaForCausalLM, source, tokenize
     rng = random.Random(f"draft-warmup:{seed}")
     losses = []
     bar = tqdm(range(steps), desc="draft warm-up", disable=not progress, dynamic_ncols=True)
-    for _ in bar:
+    for i in bar:
         batch = examples_to_batch(source.sample(batch_size, rng), tokenizer)
         with torch.no_grad():
             out = policy(batch.input_ids, batch.position_ids, batch.cu_seqlens, tap_layers=draft.cfg.tap_layers)
         taps = draft_inputs_from(out, batch, policy.attention_ops, None, ttt_valid_tokens(batch))
         update = draft_update(draft, optimizer, [taps], ttt_passes=ttt_passes, pass_decay=pass_decay, grad_clip=1.0,
                               loss_kernel=loss_kernel)
+        warn_if_skipped(update, f"draft warm-up update {i + 1} of {steps}")
         losses.append(update.loss)
         bar.set_postfix(loss=f"{losses[-1]:.3f}", top1=f"{update.metrics.accuracy[0].item():.2f}")
     return losses

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -22,8 +23,9 @@ import torch
 from spectrain.cli import main
 from spectrain.config import load_config
 from spectrain.train.warm_start import draft_cache_key
-from spectrain.errors import RunDirError
+from spectrain.errors import ConfigError, InputWarning, RunDirError
 from spectrain.rollout.vllm.engine import CPU_ATTENTION_HEAD_SIZES, kv_cache_bytes
+from spectrain.train import inputs
 from spectrain.train.run_dir import MARKER as RUN_MARKER
 from spectrain.train.trainer import SpecTrainer
 from spectrain.train.warm_start import CACHE_META, cached, policy_cache_key, writing_cache
@@ -223,6 +225,12 @@ ROWS = [
      lambda: write("foreign/notes.txt", "mine")),
     ("run dir is a file", [*FIT, "trainer.run_dir=notes.txt"], r"notes\.txt is a file, not a directory",
      lambda: write("notes.txt", "mine")),
+    ("run dir under a file", [*FIT, "trainer.run_dir=notes.txt/run"],
+     r"trainer\.run_dir: cannot create notes\.txt/run: .*notes\.txt is a file", lambda: write("notes.txt", "mine")),
+    ("run dir not writable", [*FIT, "trainer.run_dir=/sys/spectrain_run"],
+     r"trainer\.run_dir: cannot write into /sys \(.*\); choose a trainer\.run_dir in a writable place", None),
+    ("cache dir not writable", [*FIT, NEW, "trainer.warmstart_dir=/sys/spectrain_cache"],
+     r"trainer\.warmstart_dir: cannot write into /sys", None),
     ("resume=never", [*FIT, OLD, "trainer.resume=never"], r"existing already holds a run and trainer\.resume=never",
      None),
     ("changed config on resume", [*FIT, OLD, "grpo.lr=0.001"],
@@ -257,6 +265,48 @@ ROWS = [
      lambda: write("half/policy/config.json", "{}")),
     ("corrupt cache meta", [*FIT, NEW, "trainer.warmstart_dir=bad"], r"bad/meta\.json cannot be read",
      lambda: write("bad/meta.json", "{")),
+    # paths: `key=` would reach omegaconf as null (the default), `~` and `$VARS` are expanded or refused
+    ("empty policy path", [*FIT, NEW, "policy.path="],
+     r"policy\.path: is empty; give a Hugging Face model directory, or null for the toy policy", None),
+    ("empty tokenizer path", [*FIT, NEW, "tokenizer.path="], r"tokenizer\.path: is empty; give .*, or null for", None),
+    ("empty draft path", [*FIT, NEW, "draft.init=path", "draft.path="], r"draft\.path: is empty; give .*, or null",
+     None),
+    ("empty reward path", [*FIT, NEW, "reward.name=custom", "reward.path="],
+     r"reward\.path: is empty; give .*, or null", None),
+    ("empty val files", [*FIT, NEW, "data.val_files="], r"data\.val_files: is empty; give .*, or null", None),
+    ("empty entry in a file list", [*FIT, NEW, "task.name=files", "data.train_files=[p.jsonl,'']"],
+     r"data\.train_files\[1\]: is empty; give", lambda: write("p.jsonl", JSONL_OK)),
+    ("empty file list", [*FIT, NEW, "task.name=files", "data.train_files=[]"], r"data\.train_files: is an empty list",
+     None),
+    ("a file list entry that is no path", [*FIT, NEW, "task.name=files", "data.train_files=[3]"],
+     r"data\.train_files\[0\]: is 3, not a path", None),
+    ("tilde alone is YAML's null", [*FIT, NEW, "policy.path=~"], r"policy\.path: is ~, which YAML reads as null", None),
+    ("unset variable in a path", [*FIT, NEW, "policy.path=$SPECTRAIN_UNSET_VAR/ckpt"],
+     r"policy\.path: \$SPECTRAIN_UNSET_VAR in '\$SPECTRAIN_UNSET_VAR/ckpt' is not set in the environment; export",
+     None),
+    ("unset variable in a recipe", ["fit", "r.yaml", NEW], r"trainer\.warmstart_dir: \$\{SPECTRAIN_UNSET_VAR\} in .* "
+                                                          r"is not set in the environment",
+     lambda: write("r.yaml", "defaults: [tiny_cpu]\ntrainer:\n  warmstart_dir: ${SPECTRAIN_UNSET_VAR}/cache\n")),
+    ("interpolation of a missing key", [*FIT, NEW, "trainer.warmstart_dir=${trainer.nope}/cache"],
+     r"trainer\.warmstart_dir: Interpolation key 'trainer\.nope' not found", None),
+    ("override that is not YAML", [*FIT, NEW, "task.name=files", "data.train_files=[${HOME}/a.jsonl]"],
+     r"override 'data\.train_files=\[\$\{HOME\}/a\.jsonl\]' cannot be parsed .*quote", None),
+    # .json prompt files: a JSON array of rows, or JSON lines
+    ("json file that is neither", [*FIT, NEW, "task.name=files", "data.train_files=p.json"],
+     r"data\.train_files: p\.json is neither a JSON array of rows nor JSON lines \(it holds one JSON object\)",
+     lambda: write("p.json", '{\n  "prompt": "1+2=",\n  "answer": "3"\n}\n')),
+    ("truncated json array", [*FIT, NEW, "task.name=files", "data.train_files=p.json"],
+     r"data\.train_files: p\.json is neither a JSON array of rows nor JSON lines \(invalid JSON: .*line 2",
+     lambda: write("p.json", '[' + JSONL_OK.strip() + ',\n {"prompt": "1+')),
+    ("json array bad row, on_bad_row=error", [*FIT, NEW, "task.name=files", "data.train_files=p.json",
+                                              "data.on_bad_row=error"],
+     r"data\.train_files: 1 bad rows in p\.json: p\.json:\[1\]: missing key\(s\) 'answer'",
+     lambda: write("p.json", json.dumps([{"prompt": "1+2=", "answer": "3"}, {"prompt": "1+1="}]))),
+    # the draft vocabulary (the cache is a fresh one: draft_vocab_size is part of its key)
+    ("one-token draft vocabulary", [*FIT, NEW, "draft.draft_vocab_size=1"], r"draft\.draft_vocab_size: is 1; .*>= 2",
+     None),
+    ("draft vocabulary beyond the policy's", [*FIT, NEW, "trainer.warmstart_dir=fresh", "draft.draft_vocab_size=5000"],
+     r"draft\.draft_vocab_size: is 5000, more than the policy's \d+ tokens; give at most \d+, or null", None),
 ]
 
 
@@ -294,6 +344,23 @@ def bin_weights_only(dest: str) -> None:
     Path(dest, "model.safetensors").rename(Path(dest, "pytorch_model.bin"))
 
 
+def truncated_tokenizer(dest: str) -> None:
+    """A copy of the generated checkpoint whose tokenizer.json was cut short (an interrupted download)."""
+    copy_with_config("policy", dest)
+    tokenizer = Path(dest, "tokenizer.json")
+    tokenizer.write_bytes(tokenizer.read_bytes()[: tokenizer.stat().st_size // 2])
+
+
+def poisoned_copy(part: str, dest: str, tensor: str) -> None:
+    """A copy of a generated checkpoint with a NaN, an inf and a -inf in `tensor` (the rest as generated)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(hf_tiny(part), dest)
+    tensors = load_file(f"{dest}/model.safetensors")
+    tensors[tensor].view(-1)[:3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    save_file(tensors, f"{dest}/model.safetensors", metadata={"format": "pt"})
+
+
 HF_FIT = ["fit", "hf_tiny_cpu", *BASE, NEW]
 HF_ROWS = [
     ("policy path missing", [*HF_FIT, "policy.path=nowhere"], r"policy\.path: .*nowhere", None),
@@ -309,10 +376,27 @@ HF_ROWS = [
      lambda: copy_with_config("policy", "small", vocab_size=100)),
     ("draft of another hidden size", [*HF_FIT, "draft.path=wide"], r"draft\.path=wide.*hidden",
      lambda: copy_with_config("draft", "wide", hidden_size=256, target_hidden_size=256)),
+    ("NaN in the policy's weights", [*HF_FIT, "policy.path=nan"],
+     r"^error: policy\.path: nan/model\.safetensors: model\.layers\.1\.mlp\.up_proj\.weight has 3 NaN/inf entries; "
+     r"the checkpoint is corrupt: re-download or re-export it$",
+     lambda: poisoned_copy("policy", "nan", "model.layers.1.mlp.up_proj.weight")),
+    ("NaN in the draft's weights", [*HF_FIT, "draft.path=nan"],
+     r"^error: draft\.path: nan/model\.safetensors: midlayer\.mlp\.up_proj\.weight has 3 NaN/inf entries",
+     lambda: poisoned_copy("draft", "nan", "midlayer.mlp.up_proj.weight")),
     ("data without the configured key", [*HF_FIT, "data.prompt_key=problem"], r"data\.train_files: .*data\.prompt_key",
      None),
     ("custom reward that does not import", [*HF_FIT, "reward.name=custom", "reward.path=bad.py"],
      r"reward\.path: .*no_such_module", lambda: write("bad.py", "import no_such_module\n")),
+    ("checkpoint's own tokenizer beyond its vocab", [*HF_FIT, "policy.path=small"],
+     r"policy\.path: the checkpoint's own tokenizer has \d+ tokens but its config\.json says vocab_size=100.*"
+     r"inconsistent\. Fix vocab_size in small/config\.json, or set tokenizer\.path",
+     lambda: copy_with_config("policy", "small", vocab_size=100)),
+    ("truncated tokenizer.json", [*HF_FIT, "policy.path=torn"],
+     r"policy\.path: torn/tokenizer\.json is not valid JSON \(.*line \d+ column \d+.*\): it is truncated or "
+     r"corrupt; restore it", lambda: truncated_tokenizer("torn")),
+    ("truncated tokenizer.json under tokenizer.path", [*HF_FIT, "tokenizer.path=torn"],
+     r"tokenizer\.path: torn/tokenizer\.json is not valid JSON .*point tokenizer\.path at another",
+     lambda: truncated_tokenizer("torn")),
 ]
 
 
@@ -361,6 +445,19 @@ def test_a_moved_run_resumes(world):
     assert (resume, step) == (str(Path("moved/checkpoints/last.ckpt")), 3)
 
 
+def test_a_start_that_failed_before_its_first_checkpoint_takes_the_corrected_command(world, capsys):
+    failed = SpecTrainer(base_config("failed", "draft.draft_vocab_size=100000"))  # say its engine failed to start
+    failed.prepare_run_dir()
+    fixed = SpecTrainer(base_config("failed", "draft.draft_vocab_size=16"))
+    assert fixed.prepare_run_dir() is None
+    assert "starting it again with the changed config (draft.draft_vocab_size: 100000 before, 16 now)" in \
+        capsys.readouterr().out
+    assert load_config(str(world / "failed" / "config.yaml")).draft.draft_vocab_size == 16
+    # once a checkpoint exists the config is the run's: a change is refused (the row "changed config on resume")
+    with pytest.raises(RunDirError, match="existing was started with a different config"):
+        SpecTrainer(base_config("existing", "draft.draft_vocab_size=16")).check_run_dir()
+
+
 def test_matching_cache_is_reused_whatever_the_draft_mode_and_k(world):
     for overrides in ([], ["draft.mode=frozen"], ["draft.num_speculative_tokens=2"], ["trainer.max_steps=99"]):
         trainer = SpecTrainer(base_config("new", *overrides))
@@ -381,6 +478,25 @@ def test_head_sizes_are_vllm_cpus():
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     assert list(CPU_ATTENTION_HEAD_SIZES) == CPUAttentionBackend.get_supported_head_sizes()
+
+
+@pytest.mark.parametrize("recipe", ["tiny_cpu", "hf_tiny_cpu"])
+def test_the_default_recipes_raise_no_input_warning(world, asset_cache, monkeypatch, recipe):
+    monkeypatch.setenv("SPECTRAIN_CACHE", str(asset_cache))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        SpecTrainer(load_config(recipe, [*BASE, NEW, "trainer.warmstart_dir=fresh"])).check_inputs()
+    assert [str(w.message) for w in caught if issubclass(w.category, InputWarning)] == []
+
+
+@pytest.mark.parametrize("env, warned", [({}, 1), ({"SPECTRAIN_ERROR_FILE": "errors.txt"}, 0), ({"RANK": "1"}, 0)])
+def test_input_warnings_are_given_once_per_run(world, monkeypatch, recwarn, env, warned):
+    """The launching process (or rank 0) gives them; a rank torchrun started (or another rank) stays quiet."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    write("foreign/notes.txt", "mine")  # refused after the config, with its warning, was loaded
+    assert main([*FIT, "trainer.run_dir=foreign", "rollout.engine=torch"]) == 2
+    assert len([w for w in recwarn if issubclass(w.category, InputWarning)]) == warned
 
 
 def test_a_cache_killed_while_written_is_not_a_cache(tmp_path):
@@ -453,3 +569,19 @@ GPU_PATH_ROWS = [
 def test_gpu_path_asked_for_where_it_cannot_run_is_refused(world, monkeypatch, capsys, argv, pattern, setup):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert_refused(world, monkeypatch, capsys, argv, pattern, setup)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: trainer.accelerator=cuda is valid here")
+def test_cuda_asked_for_without_cuda_is_refused(world, monkeypatch, capsys):
+    assert_refused(world, monkeypatch, capsys, [*FIT, NEW, "trainer.accelerator=cuda"],
+                   r"trainer\.accelerator: is cuda, but .*; use trainer\.accelerator=auto .* or trainer\.accelerator=cpu",
+                   None)
+
+
+def test_triton_draft_loss_without_a_draft_is_accepted(monkeypatch):
+    """There is no draft loss to compute, so the kernel named for it is not refused on CPU."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    config = load_config("tiny_cpu", [CPU, "draft.loss_kernel=triton", "draft.mode=none"])
+    assert inputs.check_draft_loss_kernel(config) is None
+    with pytest.raises(ConfigError, match=r"draft\.loss_kernel=triton needs"):  # with a draft, it still is
+        inputs.check_draft_loss_kernel(load_config("tiny_cpu", [CPU, "draft.loss_kernel=triton"]))

@@ -61,7 +61,9 @@ def test_nan_guard_skips_the_draft_step():
     module.draft_inputs[0].teacher_logits.fill_(float("nan"))
     before = [p.detach().clone() for p in module.draft.parameters()]
     callback = DraftCoTraining(ttt_passes=2)
-    callback.on_train_batch_end(trainer_at(1), module, None, None, 0)
+    with pytest.warns(UserWarning, match=r"draft update skipped \(step 1, 1 skipped so far\): loss nan, gradient norm "
+                                         r"nan: not finite\. The draft and its optimizer are unchanged"):
+        callback.on_train_batch_end(trainer_at(1), module, None, None, 0)
     assert all(torch.equal(a, b) for a, b in zip(before, module.draft.parameters()))
     assert callback.steps_skipped == 1 and module.logged["draft/skipped_steps"] == 1
     assert module.counted_updates == 0  # a skipped update does not advance the lr ramp
@@ -93,19 +95,27 @@ def sync_trainer(step):
     return SimpleNamespace(global_step=step, strategy=SimpleNamespace(broadcast=lambda x: x))
 
 
-def test_weight_sync_detects_dead_speculation():
-    """The engine serves the synced weights (the probe passes) but accepts nothing: the drafter is lost."""
+@pytest.mark.parametrize("fault", [[], ["midlayer.mlp.down_proj: relative error 1.0e+00 > 1e-04"]])
+def test_an_acceptance_of_nothing_is_dead_only_if_the_drafter_is_not_the_synced_draft(fault):
+    probe = ProbeResult(0.0, [])  # what the engine's probe reports (a mock: this is the error path)
     engine = SimpleNamespace(sync_policy=lambda w, v: None, sync_draft=lambda w, v: None,
-                             verify_weights=lambda w, which, rtol: ProbeResult(0.0, []))
+                             verify_weights=lambda w, which, rtol: probe)
     module = Module(engine=engine, plan=LocalPlan(), policy=torch.nn.Linear(2, 2), draft=object(), trains_draft=True,
                     logged={}, rollout_stats=None, policy_weights_for_sync=lambda: [], draft_weights_for_sync=lambda: [])
     callback = WeightSync(min_drafts_for_check=10)
-    callback.on_train_start(sync_trainer(0), module)
+    callback.on_train_start(sync_trainer(0), module)  # synced and verified
     module.rollout_stats = stats(drafts=50, accepted=7)
     callback.on_train_batch_end(sync_trainer(1), module, None, None, 0)  # alive: fine
+    probe.mismatches = fault  # the drafter was lost after that sync, or not
     module.rollout_stats = stats(drafts=50, accepted=0)
-    with pytest.raises(SpeculationDeadError, match="accepted nothing"):
+    if fault:
+        with pytest.raises(SpeculationDeadError, match=r"acceptance length is 1\.00 over 50 drafts, and the drafter is "
+                                                       r"not the synced draft \(midlayer\.mlp\.down_proj"):
+            callback.on_train_batch_end(sync_trainer(2), module, None, None, 0)
+        return
+    with pytest.warns(UserWarning, match="the engine serves the synced draft"):
         callback.on_train_batch_end(sync_trainer(2), module, None, None, 0)
+    assert not callback.speculation_disabled
 
 
 def test_acceptance_logger_logs_deltas(tmp_path):

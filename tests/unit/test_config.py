@@ -1,7 +1,8 @@
 """Recipe loading: inheritance, overrides, and every error path names the key and the fix."""
 import pytest
 
-from spectrain.config import ConfigError, load_config
+from spectrain.config import ConfigError, load_config, to_yaml
+from spectrain.errors import InputWarning
 
 
 def write(tmp_path, name, text):
@@ -121,3 +122,58 @@ def test_moved_task_keys_are_read_in_their_new_sections():
     recorded = {"task": {"name": "jsonl", "path": "p.jsonl", "reward": "exact_answer", "partial_credit": 0.5}}
     assert upgrade_recorded_keys(recorded) == {"task": {"name": "files"}, "data": {"train_files": "p.jsonl"},
                                                "reward": {"name": "exact_answer", "partial_credit": 0.5}}
+
+
+def test_paths_expand_home_and_variables(tmp_path, monkeypatch):
+    """`~`, `$NAME` and `${NAME}` in every path key, from the command line or a recipe; interpolations still resolve."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("SPECTRAIN_TEST_DATA", str(tmp_path / "data"))
+    assert load_config(None, ["policy.path=~/ckpt"]).policy.path == str(tmp_path / "home" / "ckpt")
+    assert load_config(None, ["policy.path=$HOME/ckpt"]).policy.path == str(tmp_path / "home" / "ckpt")
+    assert load_config(None, ["tokenizer.path=${SPECTRAIN_TEST_DATA}/tok"]).tokenizer.path == str(tmp_path / "data/tok")
+    recipe = write(tmp_path, "r.yaml", "defaults: [tiny_cpu]\ntask: {name: files}\n"
+                                       "data:\n  train_files: ['${SPECTRAIN_TEST_DATA}/a.jsonl', ~/b.jsonl]\n"
+                                       "  val_files: $SPECTRAIN_TEST_DATA/v.jsonl\n"
+                                       "trainer:\n  run_dir: ~/runs/r\n  warmstart_dir: ${trainer.run_dir}/cache\n")
+    config = load_config(recipe)
+    assert config.data.train_files == [str(tmp_path / "data/a.jsonl"), str(tmp_path / "home/b.jsonl")]
+    assert config.data.val_files == str(tmp_path / "data/v.jsonl")
+    assert (config.trainer.run_dir, config.trainer.warmstart_dir) == (str(tmp_path / "home/runs/r"),
+                                                                      str(tmp_path / "home/runs/r/cache"))
+    assert f"run_dir: {tmp_path}/home/runs/r" in to_yaml(config)  # what show-config prints
+
+
+def test_null_paths_still_mean_the_default():
+    config = load_config(None, ["policy.path=null", "tokenizer.path=null", "data.val_files=null"])
+    assert (config.policy.path, config.tokenizer.path, config.data.val_files) == (None, None, None)
+
+
+def input_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if issubclass(w.category, InputWarning)]
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["task.name=files", "data.train_files=[a.jsonl, b.jsonl]", "data.val_files=./b.jsonl"],
+     r"\[spectrain\] data\.val_files: \./b\.jsonl is also in data\.train_files: the held-out curve is measured on "
+     r"training prompts"),
+    (["data.filter_overlong_prompts=false"],
+     r"\[spectrain\] data\.filter_overlong_prompts=false does nothing without data\.max_prompt_length"),
+    (["rollout.engine=torch"], r"\[spectrain\] draft\.mode=cotrained with rollout\.engine=torch: the torch engine "
+                               r"never speculates, so the draft never drafts, though it is still trained; set "
+                               r"draft\.mode=none, or rollout\.engine=vllm"),
+    (["rollout.engine=torch", "draft.mode=frozen"], r"draft\.mode=frozen with rollout\.engine=torch"),
+])
+def test_accepted_values_that_do_nothing_are_warned_about(overrides, needle):
+    with pytest.warns(InputWarning, match=needle):
+        load_config(None, overrides)
+
+
+@pytest.mark.parametrize("overrides", [
+    [],
+    ["task.name=files", "data.train_files=a.jsonl", "data.val_files=b.jsonl"],
+    ["data.filter_overlong_prompts=false", "data.max_prompt_length=64"],
+    ["rollout.engine=torch", "draft.mode=none"],
+])
+def test_their_fixes_are_not_warned_about(overrides, recwarn):
+    load_config(None, overrides)
+    assert input_warnings(recwarn) == []

@@ -339,3 +339,47 @@ def test_overlong_prompts_are_dropped_and_counted_or_refused(tmp_path):
         FilePrompts(path, max_prompt_length=5, filter_overlong_prompts=False)
     with pytest.raises(PromptFileError, match=r"every prompt in .*p\.jsonl is longer than data.max_prompt_length=2"):
         FilePrompts(path, max_prompt_length=2)
+
+
+def test_a_json_file_holds_an_array_of_rows_or_json_lines(tmp_path):
+    array = tmp_path / "array.json"
+    array.write_text(json.dumps(GOOD, indent=2))  # one JSON document over many lines
+    assert list(FilePrompts(array)) == [
+        Example("12+34=", "46"), Example("What is 2*3?", "6", "2*3;6"), Example("5+5=", "10")]
+    lines = write_jsonl(tmp_path / "lines.json", [json.dumps(row) for row in GOOD])
+    assert list(FilePrompts(lines)) == list(FilePrompts(array))
+    array.write_text(json.dumps([GOOD[0], {"prompt": "1+1="}, 3]))
+    with pytest.raises(PromptFileError, match=r"2 bad rows in .*array\.json:\n  .*array\.json:\[1\]: missing key\(s\) "
+                                              r"'answer'.*\n  .*array\.json:\[2\]: expected an object, got int"):
+        FilePrompts(array, on_bad_row="error")
+    array.write_text(json.dumps({"data": GOOD}, indent=2))
+    with pytest.raises(PromptFileError, match=r"array\.json is neither a JSON array of rows nor JSON lines \(it holds "
+                                              r"one JSON object\)"):
+        FilePrompts(array)
+
+
+# --- the draft vocabulary, checked against the train completions it is picked from -------------------------
+
+
+def check_draft_vocab(size: int) -> None:
+    from spectrain.config import load_config
+    from spectrain.train.inputs import check_draft_vocab as check
+
+    tokenizer = CharTokenizer()
+    check(load_config(None, [f"draft.draft_vocab_size={size}"]), tokenizer.vocab_size, ArithmeticTask(seed=0),
+          tokenizer)
+
+
+def test_a_draft_vocabulary_that_covers_few_train_tokens_is_warned_about(recwarn):
+    with pytest.warns(UserWarning, match=r"\[spectrain\] draft\.draft_vocab_size=4 covers only \d+\.\d% of the train "
+                                         r"completions' tokens: the draft can never propose the other \d+\.\d%, so "
+                                         r"acceptance is bounded; raise it \((\d+) ids cover 90%\)") as record:
+        check_draft_vocab(4)
+    enough = int(re.search(r"\((\d+) ids cover", str(record[0].message)).group(1))
+    recwarn.clear()
+    check_draft_vocab(enough)  # the size it suggests is the smallest that covers enough
+    assert not [w for w in recwarn if "draft_vocab_size" in str(w.message)]
+    with pytest.warns(UserWarning, match=rf"draft_vocab_size={enough - 1} covers only"):
+        check_draft_vocab(enough - 1)
+    with pytest.raises(ConfigError, match=r"draft\.draft_vocab_size: is \d+, more than the policy's \d+ tokens"):
+        check_draft_vocab(CharTokenizer().vocab_size + 1)

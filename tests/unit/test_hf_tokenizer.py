@@ -1,10 +1,12 @@
 """A checkpoint's own tokenizer: the trainer's prompt ids equal transformers' and vLLM's, stop ids, no double BOS."""
 
 import json
+import re
+import shutil
 
 import pytest
 
-from spectrain.tasks.hf_tokenizer import HFTokenizer, build_chatml_bpe_tokenizer
+from spectrain.tasks.hf_tokenizer import HFTokenizer, TokenizerLoadError, build_chatml_bpe_tokenizer
 from spectrain.tasks.sources import FilePrompts
 
 transformers = pytest.importorskip("transformers")
@@ -94,9 +96,20 @@ def test_without_chat_template_and_bad_paths(chatml, tmp_path):
         tok.encode_prompt(USER)
     with pytest.raises(ValueError, match="tokenizer.system_prompt needs a chat template"):
         HFTokenizer(chatml, chat_template=False, system_prompt="Be brief.")
-    with pytest.raises(ValueError, match=r"tokenizer.path: .*empty is not a Hugging Face tokenizer directory: it "
-                                         r"needs tokenizer.json or tokenizer_config.json"):
+    with pytest.raises(TokenizerLoadError, match=r"empty is not a Hugging Face tokenizer directory: it "
+                                                 r"needs tokenizer.json or tokenizer_config.json"):
         HFTokenizer(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "generation_config.json"])
+def test_a_truncated_file_is_named(chatml, tmp_path, name):
+    """transformers' own error names no file (`Expecting value: line 615 column 4`)."""
+    broken = tmp_path / "broken"
+    shutil.copytree(chatml, broken)
+    (broken / name).write_bytes((broken / name).read_bytes()[:-20])
+    with pytest.raises(TokenizerLoadError, match=rf"broken/{re.escape(name)} is not valid JSON \(.*line \d+ column "
+                                                 rf"\d+.*\): it is truncated or corrupt"):
+        HFTokenizer(broken)
 
 
 def test_save_pretrained_round_trip(chatml, tmp_path):

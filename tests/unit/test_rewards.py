@@ -5,8 +5,9 @@ import time
 import warnings
 
 import pytest
+import torch
 
-from spectrain.tasks.rewards import CustomReward, RewardError, get_reward_fn
+from spectrain.tasks.rewards import CustomReward, RewardError, get_reward_fn, reward_name, score
 
 
 @pytest.mark.parametrize(
@@ -115,3 +116,33 @@ def test_custom_reward_bad_path_function_and_options(tmp_path, reward_py):
         get_reward_fn("custom", path=reward_py, timeout_s=0)
     with pytest.raises(ValueError, match="bad options"):
         get_reward_fn("math_verify", partial_credit=0.5)
+
+
+NON_FINITE_FILE = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": float(ground_truth) if solution_str == "odd one" else 1.0}
+'''
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "1e300"])  # 1e300 is inf in the float32 rewards
+def test_a_non_finite_reward_stops_the_step_with_the_sample(tmp_path, value):
+    path = tmp_path / "my_reward.py"
+    path.write_text(NON_FINITE_FILE)
+    fn, name = get_reward_fn("custom", path=path), reward_name("custom", path, "compute_score")
+    samples = [(0, "a", value), (0, "b", value), (1, "c", value), (1, "odd one", value)]
+    with pytest.raises(RewardError) as info:
+        score(fn, samples, name, "the step-3 rollout")
+    assert str(info.value) == (
+        f"reward.function 'compute_score' in {path} returned {float(value)!r} in the step-3 rollout on prompt 1, "
+        f"sample 1: completion 'odd one' with answer '{value}'; a reward must be a finite float32 (a NaN or inf turns "
+        f"its group's advantages and then the policy into NaN): fix the function to return a finite score for every "
+        f"completion")
+
+
+def test_finite_rewards_are_scored_in_order():
+    rewards = score(lambda completion, answer: len(completion) - float(answer), [(0, "abc", "1"), (1, "", "-2.5")],
+                    reward_name("exact_answer"), "the step-1 rollout")
+    assert rewards.dtype == torch.float32 and rewards.tolist() == [2.0, 2.5]
+    with pytest.raises(RewardError, match=r"^reward\.name=exact_answer returned None in the step-1 rollout on prompt "
+                                          r"0, sample 0: completion 'x' with answer 'y'; return a float$"):
+        score(lambda completion, answer: None, [(0, "x", "y")], reward_name("exact_answer"), "the step-1 rollout")

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from spectrain.config.schema import VLLM_KWARGS_SET_BY_SPECTRAIN
-from spectrain.errors import ConfigError, RolloutEngineError
+from spectrain.errors import ConfigError, RolloutEngineError, RunInterrupted
 from spectrain.rollout.engine import (Completion, LoadStats, NamedTensors, ProbeResult, SamplingConfig,
                                       SpecDecodeCounters)
 from spectrain.rollout.vllm import compat
@@ -142,7 +142,7 @@ class VLLMRolloutEngine:
             compat.quiet_reload_logs()
             compat.add_stats_tap(self.llm, self._record_load)
             self.startup_seconds = time.perf_counter() - started
-        except compat.VLLMVersionError:
+        except (compat.VLLMVersionError, RunInterrupted):
             raise
         except Exception as exc:
             raise RolloutEngineError(
