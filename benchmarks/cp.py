@@ -195,6 +195,7 @@ def _step_batch(tokens: int):
 
 
 def _step_point(policy, draft, plan, tokens: int, passes: int, world: int) -> dict:
+    from spectrain.parallel.plan import TapCollector
     from spectrain.train.draft_update import draft_loss
     from spectrain.train.grpo import grpo_loss, token_logprobs
 
@@ -210,10 +211,10 @@ def _step_point(policy, draft, plan, tokens: int, passes: int, world: int) -> di
         p.grad = torch.zeros_like(p)
 
     def work():
-        result = plan.policy_forward_backward(policy, batch, loss_fn, draft.cfg.tap_layers,
-                                              lambda loss: loss.backward())
+        taps = TapCollector(batch)
+        plan.policy_forward_backward(policy, batch, loss_fn, draft.cfg.tap_layers, lambda loss: loss.backward(), taps)
         plan.reduce_gradients(policy)
-        loss, _ = draft_loss(draft, result.draft_inputs, passes, 0.8)
+        loss, _ = draft_loss(draft, taps.chunks, passes, 0.8)
         loss.backward()
         plan.reduce_gradients(draft)
         if world > 1:

@@ -97,6 +97,7 @@ def _measure(rank: int, world: int, o: dict) -> dict:
     import torch.distributed as dist
 
     from spectrain.parallel.mesh import build_mesh
+    from spectrain.parallel.plan import TapCollector
     from spectrain.parallel.pp.plan import PipelinePlan, microbatch_budget
     from spectrain.parallel.pp.tap_channel import BlockingTapTransport, TapChannel
     from spectrain.train.draft_update import draft_update
@@ -125,7 +126,8 @@ def _measure(rank: int, world: int, o: dict) -> dict:
         dist.barrier()
         transport.seconds = 0.0
         started, cpu_started = time.perf_counter(), time.process_time()
-        result = plan.policy_forward_backward(policy, batch, loss_fn, capture, None)
+        taps = TapCollector(batch)
+        plan.policy_forward_backward(policy, batch, loss_fn, capture, None, taps)
         plan.reduce_gradients(policy)
         plan.clip_grad_norm(policy, 1.0)
         seconds, cpu_seconds, tap_seconds = (time.perf_counter() - started, time.process_time() - cpu_started,
@@ -134,7 +136,7 @@ def _measure(rank: int, world: int, o: dict) -> dict:
         draft_seconds = 0.0
         if mode == "taps" and plan.hosts_draft:
             started = time.perf_counter()
-            draft_update(draft, draft_opt, result.draft_inputs, ttt_passes=3, pass_decay=0.8, grad_clip=1.0)
+            draft_update(draft, draft_opt, taps.chunks, ttt_passes=3, pass_decay=0.8, grad_clip=1.0)
             draft_seconds = time.perf_counter() - started
         return seconds, cpu_seconds, tap_seconds, draft_seconds
 

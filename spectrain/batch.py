@@ -52,6 +52,46 @@ class RolloutBatch:
                             self.response_mask[rows], self.advantages[rows], self.rollout_logprobs[rows])
 
 
+def pack_documents(lengths: Sequence[int], max_tokens: int | None) -> list[list[int]]:
+    """Document indices, in order, packed greedily into contiguous groups of at most `max_tokens` tokens.
+
+    Documents are never split: one longer than the budget is a group of its own. None is one
+    group (the whole batch in one forward). Order is kept, so the groups back to back are the batch.
+    """
+    if max_tokens is None:
+        return [list(range(len(lengths)))] if len(lengths) else []
+    groups: list[list[int]] = []
+    used = 0
+    for i, n in enumerate(lengths):
+        if not groups or used + n > max_tokens:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += n
+    return groups
+
+
+def micro_batches(batch: RolloutBatch, max_tokens: int | None) -> list[RolloutBatch]:
+    """`batch` cut into micro-batches of at most `max_tokens` tokens (`pack_documents`); the batch itself when it
+    fits (no copy)."""
+    groups = pack_documents((batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).tolist(), max_tokens)
+    return [batch] if len(groups) == 1 else [batch.select(g) for g in groups]
+
+
+def concat_batches(parts: list[RolloutBatch], like: RolloutBatch) -> RolloutBatch:
+    """Micro-batches back to back, in order (`like`, emptied, when there are none; the one part itself)."""
+    names = [f.name for f in fields(RolloutBatch) if f.name != "cu_seqlens"]
+    if not parts:
+        return RolloutBatch(cu_seqlens=like.cu_seqlens[:1], **{n: getattr(like, n)[:0] for n in names})
+    if len(parts) == 1:
+        return parts[0]
+    cu, offset = [parts[0].cu_seqlens[:1]], 0
+    for p in parts:
+        cu.append(p.cu_seqlens[1:] + offset)
+        offset += p.input_ids.numel()
+    return RolloutBatch(cu_seqlens=torch.cat(cu), **{n: torch.cat([getattr(p, n) for p in parts]) for n in names})
+
+
 def build_rollout_batch(completions: Sequence, advantages: torch.Tensor) -> RolloutBatch:
     """Pack completions (anything with `prompt_ids`, `token_ids` and `logprobs`, e.g. the rollout
     engine's `Completion`) with one advantage each."""

@@ -23,6 +23,7 @@ class PolicyConfig:
     path: str | None = None  # a local Hugging Face checkpoint directory; None: the toy policy below, built from scratch
     dtype: str = "float32"  # float32 | bfloat16 (bf16 mixed precision: float32 master weights and optimizer state)
     attention_backend: str = "auto"  # auto | torch | varlen | flex | triton | flash_attn | te (docs/gpu.md)
+    activation_checkpointing: bool = False  # recompute each decoder layer in the backward (non-reentrant)
     # the toy policy's architecture (ignored with `path`: the checkpoint's config.json decides)
     hidden_size: int = 128
     intermediate_size: int = 384
@@ -111,6 +112,9 @@ class GRPOConfig:
     adv_eps: float = 1e-4
     grad_clip: float = 1.0
     weight_decay: float = 0.0
+    # each update's forward/backward runs in micro-batches of at most this many tokens per rank (whole documents;
+    # gradients accumulate, one optimizer step per update); None: the whole minibatch in one forward
+    micro_batch_tokens: int | None = None
 
 
 @dataclass

@@ -161,7 +161,21 @@ def _check_rollout(c: SpecTrainConfig) -> None:
              f"rollout.tensor_parallel_size, draft.* and trainer.seed instead, and drop them from rollout.vllm_kwargs")
 
 
+def _check_micro_batches(c: SpecTrainConfig) -> None:
+    """A document is never split across micro-batches; a pipeline's microbatches must each hold the longest."""
+    tokens, par, r = c.grpo.micro_batch_tokens, c.parallel, c.rollout
+    if tokens is None:
+        return
+    _require(tokens >= 1, "grpo.micro_batch_tokens", f"is {tokens}; give a token count per rank >= 1 (e.g. 16384), "
+             f"or null for the whole minibatch in one forward")
+    longest = r.max_model_len if par.cp == 1 else -(-r.max_model_len // (2 * par.cp)) * 2  # its zigzag shard
+    _require(par.pp == 1 or tokens >= longest, "grpo.micro_batch_tokens",
+             f"is {tokens}, but a pipeline microbatch must hold a whole document: up to {longest} tokens per rank "
+             f"(rollout.max_model_len={r.max_model_len}, parallel.cp={par.cp}); raise it to >= {longest}")
+
+
 def _check_grpo(c: SpecTrainConfig) -> None:
+    _check_micro_batches(c)
     g, r, par = c.grpo, c.rollout, c.parallel
     _require(g.kl_beta == 0 or (par.cp == 1 and par.pp == 1), "grpo.kl_beta",
              "the KL term needs whole documents on one rank: set parallel.cp=1 and parallel.pp=1, or grpo.kl_beta=0")

@@ -3,25 +3,31 @@
 `GRPOModule` runs the same step everywhere: the rollout rank generates, `share` hands the
 rollout to every rank, `policy_forward_backward` runs the policy over this rank's part of
 the batch (whole batch; a dp slice; zigzag shards under CP; pipeline microbatches under
-PP) and leaves `DraftInputs` for the draft, `reduce_gradients` makes the gradients the
+PP) in micro-batches of at most `micro_batch_tokens` tokens, accumulating gradients, and
+hands each micro-batch's `DraftInputs` to `on_taps` right after its forward (so no taps or
+teacher logits outlive their micro-batch); `reduce_gradients` makes the gradients the
 single-process ones. Every rank holds the whole rollout, so global token counts (the loss
 normalisers) are computed locally and need no communication.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Protocol
 
 import torch
 from torch import nn
 
 from spectrain.models.llama import CausalLMOutput, LlamaForCausalLM
-from spectrain.batch import RolloutBatch
+from spectrain.batch import RolloutBatch, concat_batches, micro_batches
 
 # (logits [T, V] of this rank's tokens, the matching batch part) -> (this part's share of the
 # global loss, logprobs of its targets)
 PolicyLossFn = Callable[[torch.Tensor, RolloutBatch], tuple[torch.Tensor, torch.Tensor]]
 ShiftFn = Callable[[torch.Tensor, torch.Tensor, int, float], torch.Tensor]
+TapsFn = Callable[["DraftInputs"], None]  # consumes one micro-batch's taps (the draft's co-training)
+# what a plan leaves in `DraftInputs.num_valid_tokens`: only the consumer knows what the loss is normalised over
+# (the whole rollout, `ttt_valid_tokens`); NaN, so a consumer that forgets to set it gets a NaN loss, not a wrong one
+UNSET_NORMALISER = float("nan")
 
 
 @dataclass
@@ -34,15 +40,14 @@ class DraftInputs:
     teacher_logits: torch.Tensor
     attention_ops: object  # local ops, or the CP ring ops of this batch
     shift_fn: ShiftFn | None  # None: shift within documents; CP passes its boundary exchange
-    num_valid_tokens: float  # global normaliser of the TTT loss
+    num_valid_tokens: float  # global normaliser of the TTT loss (UNSET_NORMALISER from a plan: the consumer sets it)
 
 
 @dataclass
 class PolicyStepResult:
-    loss: torch.Tensor  # this rank's share of the global loss (detached)
+    loss: torch.Tensor  # the update's loss: every rank's shares summed (detached)
     logprobs: torch.Tensor  # detached logprobs of this rank's targets
-    batch: RolloutBatch  # the part of the batch those logprobs belong to
-    draft_inputs: list[DraftInputs]  # empty where the draft does not live or is not trained
+    batch: RolloutBatch  # the part of the batch those logprobs belong to (its micro-batches back to back)
 
 
 class TrainPlan(Protocol):
@@ -52,7 +57,8 @@ class TrainPlan(Protocol):
     def share(self, obj): ...
 
     def policy_forward_backward(self, policy: LlamaForCausalLM, batch: RolloutBatch, loss_fn: PolicyLossFn,
-                                tap_layers: tuple[int, ...], backward: Callable) -> PolicyStepResult: ...
+                                tap_layers: tuple[int, ...], backward: Callable, on_taps: TapsFn | None = None,
+                                micro_batch_tokens: int | None = None) -> PolicyStepResult: ...
 
     def reduce_gradients(self, module: nn.Module) -> None: ...
 
@@ -71,13 +77,38 @@ def ttt_valid_tokens(batch: RolloutBatch) -> float:
     return float(shift_within_docs(batch.response_mask.float(), batch.cu_seqlens, 1).sum().clamp_min(1.0))
 
 
+class TapCollector:
+    """An `on_taps` that keeps every micro-batch's taps, normalised over `batch` (the rollout they are a part of):
+    for benchmarks and tests that train the draft on a whole step's taps at once."""
+
+    def __init__(self, batch: RolloutBatch) -> None:
+        self.num_valid_tokens = ttt_valid_tokens(batch)
+        self.chunks: list[DraftInputs] = []
+
+    def __call__(self, taps: DraftInputs) -> None:
+        self.chunks.append(replace(taps, num_valid_tokens=self.num_valid_tokens))
+
+
 def draft_inputs_from(out: CausalLMOutput, batch: RolloutBatch, ops, shift_fn, num_valid_tokens: float) -> DraftInputs:
     return DraftInputs(batch, out.embeds.detach(), [h.detach() for h in out.tap_hidden], out.logits.detach(),
                        ops, shift_fn, num_valid_tokens)
 
 
+def micro_batch_step(policy: LlamaForCausalLM, mb: RolloutBatch, loss_fn: PolicyLossFn, tap_layers, backward,
+                     on_taps: TapsFn | None, ops, shift_fn: ShiftFn | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward, loss and backward of one micro-batch (`mb`: this rank's tokens of it), then its taps to `on_taps`;
+    its loss share and logprobs, detached. Its activations and logits are freed when it returns."""
+    out = policy(mb.input_ids, mb.position_ids, mb.cu_seqlens, tap_layers=tap_layers)
+    loss, logprobs = loss_fn(out.logits, mb)
+    backward(loss)
+    if tap_layers:
+        assert on_taps is not None, "taps captured for nobody"
+        on_taps(draft_inputs_from(out, mb, ops, shift_fn, UNSET_NORMALISER))
+    return loss.detach(), logprobs.detach()
+
+
 class LocalPlan:
-    """One process: the whole batch in one forward."""
+    """One process: the whole batch, in micro-batches of at most `micro_batch_tokens` tokens."""
 
     is_rollout_rank = True
     hosts_draft = True
@@ -85,13 +116,13 @@ class LocalPlan:
     def share(self, obj):
         return obj
 
-    def policy_forward_backward(self, policy, batch, loss_fn, tap_layers, backward) -> PolicyStepResult:
-        out = policy(batch.input_ids, batch.position_ids, batch.cu_seqlens, tap_layers=tap_layers)
-        loss, logprobs = loss_fn(out.logits, batch)
-        backward(loss)
-        inputs = [draft_inputs_from(out, batch, policy.attention_ops, None, ttt_valid_tokens(batch))] \
-            if tap_layers else []
-        return PolicyStepResult(loss.detach(), logprobs.detach(), batch, inputs)
+    def policy_forward_backward(self, policy, batch, loss_fn, tap_layers, backward, on_taps=None,
+                                micro_batch_tokens=None) -> PolicyStepResult:
+        parts = micro_batches(batch, micro_batch_tokens)
+        steps = [micro_batch_step(policy, mb, loss_fn, tap_layers, backward, on_taps, policy.attention_ops, None)
+                 for mb in parts]
+        return PolicyStepResult(torch.stack([loss for loss, _ in steps]).sum(),
+                                torch.cat([lp for _, lp in steps]), concat_batches(parts, batch))
 
     def reduce_gradients(self, module: nn.Module) -> None:
         pass

@@ -25,28 +25,34 @@ class DraftUpdate:
     grad_norm: float = math.nan  # after the gradient reduction; NaN where not computed (a NaN loss, no draft here)
 
 
+def chunk_loss(draft: Eagle3Draft, chunk: DraftInputs, ttt_passes: int, pass_decay: float,
+               loss_kernel: str = "auto") -> tuple[torch.Tensor, TTTMetrics]:
+    """TTT loss of one chunk of taps (one micro-batch, or one PP microbatch), already divided by the global
+    valid-token count, so the chunks' losses add up to the update's. The chunk carries the attention ops
+    and shift of its layout (ring + boundary exchange under CP). The draft returns normed hidden states
+    and `loss_kernel` (`draft.loss_kernel`) applies the lm_head with the loss, without whole-chunk logits
+    where it is `chunked` or `triton`."""
+    b = chunk.batch
+    hidden = draft(chunk.embeds, chunk.tap_hidden, b.position_ids, b.cu_seqlens, ttt_passes,
+                   ops=chunk.attention_ops, shift_fn=chunk.shift_fn, normed_hidden=True)
+    return ttt_loss(hidden, chunk.teacher_logits, b.response_mask, b.cu_seqlens, draft.t2d, pass_decay,
+                    num_valid_tokens=chunk.num_valid_tokens, shift_fn=chunk.shift_fn,
+                    lm_head=draft.lm_head.weight, loss_kernel=loss_kernel)
+
+
+def add_metrics(a: TTTMetrics | None, b: TTTMetrics) -> TTTMetrics:
+    return b if a is None else TTTMetrics(a.loss_sum + b.loss_sum, a.correct + b.correct, a.count + b.count)
+
+
 def draft_loss(draft: Eagle3Draft, chunks: Sequence[DraftInputs], ttt_passes: int,
                pass_decay: float, loss_kernel: str = "auto") -> tuple[torch.Tensor, TTTMetrics]:
-    """TTT loss over the chunks one policy forward left (one, or one per PP microbatch).
-
-    Each chunk's loss is already divided by the global valid-token count, so the sum is the
-    update's loss; the chunk carries the attention ops and shift of its layout (ring +
-    boundary exchange under CP). The draft returns normed hidden states and `loss_kernel`
-    (`draft.loss_kernel`) applies the lm_head with the loss, without whole-batch logits where
-    it is `chunked` or `triton`.
-    """
+    """TTT loss over the chunks one policy forward left: the sum of their `chunk_loss`es."""
     assert chunks, "no taps to train the draft on"
     total, metrics = None, None
     for chunk in chunks:
-        b = chunk.batch
-        hidden = draft(chunk.embeds, chunk.tap_hidden, b.position_ids, b.cu_seqlens, ttt_passes,
-                       ops=chunk.attention_ops, shift_fn=chunk.shift_fn, normed_hidden=True)
-        loss, m = ttt_loss(hidden, chunk.teacher_logits, b.response_mask, b.cu_seqlens, draft.t2d, pass_decay,
-                           num_valid_tokens=chunk.num_valid_tokens, shift_fn=chunk.shift_fn,
-                           lm_head=draft.lm_head.weight, loss_kernel=loss_kernel)
+        loss, m = chunk_loss(draft, chunk, ttt_passes, pass_decay, loss_kernel)
         total = loss if total is None else total + loss
-        metrics = m if metrics is None else TTTMetrics(metrics.loss_sum + m.loss_sum, metrics.correct + m.correct,
-                                                         metrics.count + m.count)
+        metrics = add_metrics(metrics, m)
     return total, metrics
 
 
@@ -60,6 +66,48 @@ def _same_everywhere(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+class DraftGradients:
+    """A draft update accumulated chunk by chunk: each chunk's loss is backpropagated as soon as its taps
+    arrive (and the taps freed), then `finish` takes the one optimizer step. The result equals one backward
+    of the summed loss (`draft_update`), so a step's taps never have to be held at once."""
+
+    def __init__(self, draft: Eagle3Draft, optimizer: torch.optim.Optimizer, *, ttt_passes: int, pass_decay: float,
+                 backward: Callable[[torch.Tensor], None] = torch.Tensor.backward, loss_kernel: str = "auto") -> None:
+        self.draft, self.optimizer = draft, optimizer
+        self.ttt_passes, self.pass_decay, self.backward, self.loss_kernel = ttt_passes, pass_decay, backward, loss_kernel
+        self.loss: torch.Tensor | None = None  # the detached sum of the chunks' losses so far
+        self.metrics: TTTMetrics | None = None
+        optimizer.zero_grad(set_to_none=True)
+
+    def add(self, chunk: DraftInputs) -> None:
+        loss, metrics = chunk_loss(self.draft, chunk, self.ttt_passes, self.pass_decay, self.loss_kernel)
+        self.backward(loss)
+        self.loss = loss.detach() if self.loss is None else self.loss + loss.detach()
+        self.metrics = add_metrics(self.metrics, metrics)
+
+    def finish(self, grad_clip: float, sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] = _same_everywhere,
+               reduce_gradients: Callable[[torch.nn.Module], None] | None = None,
+               share_dtype: torch.dtype = torch.float32) -> DraftUpdate:
+        """Sum the shares over ranks, then clip and step, or skip a non-finite update (gradients dropped: the draft
+        and its optimizer state stay as they were). A rank without chunks (e.g. an early PP stage) adds zeros of
+        `share_dtype`, so every rank runs the same collectives and takes the same decision."""
+        hosts = self.loss is not None
+        loss, metrics = (self.loss, self.metrics) if hosts else _zero_share(self.ttt_passes, share_dtype)
+        total = sum_over_ranks(loss.clone())
+        metrics = TTTMetrics(*(sum_over_ranks(t.detach()) for t in (metrics.loss_sum, metrics.correct, metrics.count)))
+        applied, grad_norm = math.isfinite(total.item()), math.nan
+        if hosts and applied:
+            if reduce_gradients is not None:
+                reduce_gradients(self.draft)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), grad_clip).item()
+            applied = math.isfinite(grad_norm)
+        if not applied:
+            self.optimizer.zero_grad(set_to_none=True)
+        elif hosts:
+            self.optimizer.step()
+        return DraftUpdate(total.item(), metrics, applied, grad_norm)
+
+
 def draft_optimizer(draft: Eagle3Draft, lr: float) -> torch.optim.AdamW:
     """The draft's AdamW, the same for the warm-up and online co-training, so the warm-up's state carries over."""
     return torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0)
@@ -71,34 +119,20 @@ def draft_update(draft: Eagle3Draft, optimizer: torch.optim.Optimizer, chunks: S
                  sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] = _same_everywhere,
                  reduce_gradients: Callable[[torch.nn.Module], None] | None = None,
                  share_dtype: torch.dtype = torch.float32, loss_kernel: str = "auto") -> DraftUpdate:
-    """One optimizer step of the draft on `chunks` (the policy's detached taps and teacher logits).
+    """One optimizer step of the draft on `chunks` (the policy's detached taps and teacher logits) held at once:
+    the warm-up, spot updates and benchmarks. Co-training feeds `DraftGradients` micro-batch by micro-batch.
 
     A non-finite loss or gradient norm skips the step and leaves the draft and its optimizer
     state untouched (callers warn: `warn_if_skipped`); the policy is never touched. Across
-    ranks: each rank passes its own chunks (none where the draft does not live, e.g. the first
-    PP stages: they add zeros of `share_dtype` so every rank runs the same collectives),
-    `sum_over_ranks` adds the shares so every rank takes the same skip decision, and
-    `reduce_gradients` makes the gradients the single-process ones before clipping.
-    `loss_kernel` is `draft.loss_kernel`.
+    ranks: each rank passes its own chunks (none where the draft does not live), `sum_over_ranks`
+    adds the shares so every rank takes the same skip decision, and `reduce_gradients` makes the
+    gradients the single-process ones before clipping. `loss_kernel` is `draft.loss_kernel`.
     """
-    hosts = bool(chunks)
-    loss, metrics = (draft_loss(draft, chunks, ttt_passes, pass_decay, loss_kernel) if hosts
-                     else _zero_share(ttt_passes, share_dtype))
-    total = sum_over_ranks(loss.detach().clone())
-    metrics = TTTMetrics(*(sum_over_ranks(t) for t in (metrics.loss_sum, metrics.correct, metrics.count)))
-    optimizer.zero_grad(set_to_none=True)
-    applied, grad_norm = math.isfinite(total.item()), math.nan
-    if hosts and applied:
-        backward(loss)
-        if reduce_gradients is not None:
-            reduce_gradients(draft)
-        grad_norm = torch.nn.utils.clip_grad_norm_(draft.parameters(), grad_clip).item()
-        applied = math.isfinite(grad_norm)
-    if not applied:
-        optimizer.zero_grad(set_to_none=True)
-    elif hosts:
-        optimizer.step()
-    return DraftUpdate(total.item(), metrics, applied, grad_norm)
+    grads = DraftGradients(draft, optimizer, ttt_passes=ttt_passes, pass_decay=pass_decay, backward=backward,
+                           loss_kernel=loss_kernel)
+    for chunk in chunks:
+        grads.add(chunk)
+    return grads.finish(grad_clip, sum_over_ranks, reduce_gradients, share_dtype)
 
 
 def warn_if_skipped(update: DraftUpdate, where: str) -> None:

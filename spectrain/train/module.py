@@ -2,10 +2,11 @@
 
 Each `training_step` rolls out `group_size` samples per prompt on the live engine, scores
 them, computes group advantages, and makes `grpo.minibatches` x `grpo.epochs` clipped
-updates of the policy (the first pass's forwards also capture the draft's taps). The
-draft's optimizer is the module's second optimizer; the `DraftCoTraining` callback steps it
-from the taps left in `draft_inputs`, and `WeightSync` pushes both models to the engine
-afterwards.
+updates of the policy, each in micro-batches of at most `grpo.micro_batch_tokens` tokens.
+The first epoch's micro-batch forwards also capture the draft's taps and hand them at once
+to the callbacks that train the draft (`on_draft_taps`: `DraftCoTraining` backpropagates
+each and steps the draft's optimizer, the module's second, at the end of the step), and
+`WeightSync` pushes both models to the engine afterwards.
 """
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ class GRPOModule(L.LightningModule):
         self.reference = copy.deepcopy(policy).requires_grad_(False) if config.grpo.kl_beta > 0 else None
         self.engine: RolloutEngine | None = None  # attached by SpecTrainer; not checkpointed
         self.plan: TrainPlan = LocalPlan()  # replaced by SpecParallelStrategy under dp/cp/pp
-        self.draft_inputs: list[DraftInputs] = []  # left by the policy forward for DraftCoTraining
+        self.tail_taps: list[DraftInputs] = []  # the last step's taps, kept only for long-tail spot updates
         self.rollout_stats: RolloutStats | None = None
         self.rollout_batch: RolloutBatch | None = None  # the step's packed rollout, for callbacks (PolicyDrift)
         # the step loop, when k adapts per engine step or the long tail trains the draft
@@ -196,11 +197,12 @@ class GRPOModule(L.LightningModule):
     def long_tail_trainer(self) -> LongTailTrainer | None:
         """Spot updates of the draft on the previous step's taps; None until there are taps to train on."""
         lt, d = self.config.speculation.long_tail, self.config.draft
-        if not (lt.enabled and self.trains_draft and self.draft_inputs):
+        if not (lt.enabled and self.trains_draft and self.tail_taps):
             return None
+        taps = self.tail_taps
 
         def spot_update() -> DraftUpdate:
-            update = draft_update(self.draft, self.draft_optimizer(), self.draft_inputs, ttt_passes=d.ttt_passes,
+            update = draft_update(self.draft, self.draft_optimizer(), taps, ttt_passes=d.ttt_passes,
                                   pass_decay=d.pass_decay, grad_clip=d.grad_clip, backward=self.manual_backward,
                                   loss_kernel=d.loss_kernel)
             self.count_draft_update(update)
@@ -239,20 +241,17 @@ class GRPOModule(L.LightningModule):
         batch = build_rollout_batch(completions, group_advantages(rewards, self.config.rollout.group_size,
                                                                   g.adv_eps)).to(self.device)
         self.rollout_batch = batch
-        capture = self.tap_layers if self.trains_draft else ()
+        on_taps = self.tap_handler(batch)  # None: no callback trains the draft this step
         generator = torch.Generator().manual_seed(self.config.trainer.seed * 1_000_003 + self.global_step)
         updates = [(epoch, docs) for epoch in range(g.epochs)
                    for docs in minibatch_documents(batch.num_docs, g.minibatches, generator)]
         results, stats = [], []
         for i, (epoch, docs) in enumerate(updates):
             part = batch if len(docs) == batch.num_docs else batch.select(docs)
-            result, update_stats = self.policy_update(part, capture if epoch == 0 else (), i, len(updates))
+            # the draft sees every document once, from the first epoch's forwards
+            result, update_stats = self.policy_update(part, on_taps if epoch == 0 else None, i, len(updates))
             results.append(result)
             stats.append(update_stats)
-        # the draft sees every document once, from the first pass; its loss is normalised over the whole rollout
-        valid = ttt_valid_tokens(batch)
-        self.draft_inputs = [replace(chunk, num_valid_tokens=valid) for r in results[:g.minibatches]
-                             for chunk in r.draft_inputs]
         first = results[0]  # before any update: the engine served exactly this policy
         mismatch = (first.logprobs - first.batch.rollout_logprobs).abs()[first.batch.response_mask]
         mean = lambda key: torch.stack([s[key] for s in stats]).mean()  # noqa: E731
@@ -293,8 +292,35 @@ class GRPOModule(L.LightningModule):
                 f"rollout.prompts_per_step x rollout.group_size sequences, so it evicts and recomputes them (slow). "
                 f"Raise rollout.kv_cache_gib, or lower rollout.prompts_per_step. Logged per step as rollout/preemptions.")
 
-    def policy_update(self, part: RolloutBatch, capture: tuple[int, ...], index: int, count: int):
+    def tap_handler(self, batch: RolloutBatch):
+        """What the policy forwards hand each micro-batch's taps to: the callbacks that train the draft this step
+        (`on_draft_taps`, e.g. `DraftCoTraining`), and the long tail's store; None when nobody wants them.
+
+        The draft's loss is normalised over the whole rollout, so each micro-batch's share adds up.
+        """
+        consumers = [c for c in self.trainer.callbacks
+                     if callable(getattr(c, "wants_draft_taps", None)) and c.wants_draft_taps(self.trainer)]
+        keep = self.config.speculation.long_tail.enabled
+        self.tail_taps = []
+        if not (self.trains_draft and (consumers or keep)):
+            return None
+        valid = ttt_valid_tokens(batch)
+
+        def on_taps(taps: DraftInputs) -> None:
+            taps = replace(taps, num_valid_tokens=valid)
+            for consumer in consumers:
+                consumer.on_draft_taps(self.trainer, self, taps)
+            if keep:  # spot updates in the next rollout's long tail train on them (one process: bounded there)
+                self.tail_taps.append(taps)
+
+        return on_taps
+
+    def policy_update(self, part: RolloutBatch, on_taps, index: int, count: int):
         """Update `index` (of the step's `count`): one clipped policy-gradient update on `part` of the rollout.
+
+        The plan runs `part` in micro-batches of at most `grpo.micro_batch_tokens` tokens per rank, whose
+        gradients accumulate; the loss is normalised by `part`'s token count, so the update is the same as
+        one whole-part forward. `on_taps` (first epoch only) gets each micro-batch's taps for the draft.
 
         Ratios are taken against the engine's logprobs, which equal the trainer's before the first
         update (tests/e2e/test_engine.py), so a single update is the plain on-policy gradient and later
@@ -317,7 +343,9 @@ class GRPOModule(L.LightningModule):
 
         opt = self.policy_optimizer()
         opt.zero_grad(set_to_none=True)
-        result = self.plan.policy_forward_backward(self.policy, part, loss_fn, capture, self.manual_backward)
+        capture = self.tap_layers if on_taps is not None else ()
+        result = self.plan.policy_forward_backward(self.policy, part, loss_fn, capture, self.manual_backward, on_taps,
+                                                   g.micro_batch_tokens)
         self.plan.reduce_gradients(self.policy)
         grad_norm = self.plan.clip_grad_norm(self.policy, g.grad_clip)
         self.check_finite_update(float(result.loss), float(grad_norm), index, count)

@@ -21,7 +21,7 @@ from spectrain.config import ConfigError, load_config
 from spectrain.ops.attention import LocalAttentionOps
 from spectrain.parallel.cp.plan import ContextParallelPlan, check_cp_attention_ops, dp_documents
 from spectrain.parallel.mesh import build_mesh, check_mesh_shape
-from spectrain.parallel.plan import LocalPlan
+from spectrain.parallel.plan import LocalPlan, TapCollector
 from spectrain.parallel.cp.ring import ZigzagRingAttentionOps
 from tests.helpers import StandInModule, float64_grpo_loss_fn, mixed_length_batch
 
@@ -42,12 +42,13 @@ def _batch():
     return mixed_length_batch([(4, 9), (6, 1), (3, 22), (5, 12), (2, 2), (7, 17)], POLICY["vocab_size"])
 
 
-def _step(plan, models, batch, reduce):
+def _step(plan, models, batch, reduce, micro_batch_tokens=None):
     """One policy + draft step through `plan`; everything the step produces, summed over ranks."""
+    taps = TapCollector(batch)
     result = plan.policy_forward_backward(models.policy, batch, float64_grpo_loss_fn(batch.num_response_tokens), CAPTURE,
-                                          lambda loss: loss.backward())
+                                          lambda loss: loss.backward(), taps, micro_batch_tokens)
     plan.reduce_gradients(models.policy)
-    models.draft_inputs = result.draft_inputs
+    models.draft_inputs = taps.chunks
     loss, metrics = draft_loss(models.draft, models.draft_inputs, TTT_STEPS, PASS_DECAY)
     loss.backward()
     plan.reduce_gradients(models.draft)
@@ -60,7 +61,7 @@ def _step(plan, models, batch, reduce):
     )
 
 
-def _plan_worker(rank, world, dp, cp):
+def _plan_worker(rank, world, dp, cp, micro_batch_tokens=None):
     models = _models(seed=rank)  # different weights per rank: prepare() must make them rank 0's
     plan = ContextParallelPlan(build_mesh(1, dp, cp))
     plan.prepare(models)
@@ -72,12 +73,12 @@ def _plan_worker(rank, world, dp, cp):
         dist.all_reduce(t)
         return t
 
-    return _step(plan, models, _batch(), reduce)
+    return _step(plan, models, _batch(), reduce, micro_batch_tokens)
 
 
-def _reference():
+def _reference(micro_batch_tokens=None):
     models = _models(seed=0)
-    return _step(LocalPlan(), models, _batch(), reduce=lambda t: t)
+    return _step(LocalPlan(), models, _batch(), lambda t: t, micro_batch_tokens)
 
 
 def _assert_close(got, want, what):
@@ -89,14 +90,34 @@ def _assert_close(got, want, what):
         torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{what}: {m}")
 
 
+# the batch's documents are 13, 7, 25, 17, 4 and 24 tokens long: a budget of 1 runs each alone (a document is never
+# split), 40 packs [13, 7], [25], [17, 4], [24]
+BUDGETS = [1, 40]
+
+
+@pytest.mark.parametrize("micro_batch_tokens", BUDGETS)
+def test_micro_batches_reproduce_the_whole_batch_step(micro_batch_tokens):
+    """One process: policy loss and gradients, draft loss, metrics and gradients of a micro-batched step equal the
+    one-forward step's (float64), and the logprobs come back in the batch's order."""
+    want, got = _reference(), _reference(micro_batch_tokens)
+    _assert_close(got, want, f"micro_batch_tokens={micro_batch_tokens}")
+    batch, policy = _batch(), _models(seed=0).policy
+    whole, parts = (LocalPlan().policy_forward_backward(policy, batch, float64_grpo_loss_fn(batch.num_response_tokens),
+                                                        (), lambda loss: None, None, budget)
+                    for budget in (None, micro_batch_tokens))
+    torch.testing.assert_close(parts.logprobs, whole.logprobs, **TOL)
+    assert torch.equal(parts.batch.input_ids, batch.input_ids) and torch.equal(parts.batch.cu_seqlens, batch.cu_seqlens)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("dp,cp", [(1, 2), (2, 1), (2, 2)])
-def test_plan_matches_local_plan(dp, cp):
-    """Policy loss and gradients, draft loss, metrics and gradients equal LocalPlan's (float64)."""
+@pytest.mark.parametrize("dp,cp,micro_batch_tokens", [(1, 2, None), (2, 1, None), (2, 2, None), (2, 2, 1), (2, 2, 20)])
+def test_plan_matches_local_plan(dp, cp, micro_batch_tokens):
+    """Policy loss and gradients, draft loss, metrics and gradients equal LocalPlan's (float64), whole and in
+    micro-batches (the budget is per rank: 20 packs about 40 tokens of documents per cp group)."""
     want = _reference()
     assert want["draft_metrics"][2, 0] > 0 and want["policy_loss"] != 0
-    for rank, got in enumerate(run_distributed(_plan_worker, dp * cp, dp, cp, timeout=240)):
-        _assert_close(got, want, f"dp={dp} cp={cp} rank {rank}")
+    for rank, got in enumerate(run_distributed(_plan_worker, dp * cp, dp, cp, micro_batch_tokens, timeout=240)):
+        _assert_close(got, want, f"dp={dp} cp={cp} micro_batch_tokens={micro_batch_tokens} rank {rank}")
 
 
 # ---------------------------------------------------------------------------------- bad input

@@ -14,8 +14,9 @@ from spectrain.parallel.spawn import run_distributed
 from spectrain.config import ConfigError, load_config
 from spectrain.parallel.mesh import build_mesh
 from spectrain.parallel.pp.runner import split_microbatches
-from spectrain.parallel.pp.plan import PipelinePlan, concat_batches, microbatch_budget
-from spectrain.parallel.plan import LocalPlan
+from spectrain.batch import concat_batches
+from spectrain.parallel.pp.plan import PipelinePlan, microbatch_budget
+from spectrain.parallel.plan import LocalPlan, TapCollector
 from tests.helpers import StandInModule, float64_grpo_loss_fn, mixed_length_batch
 
 POLICY = dict(vocab_size=32, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
@@ -39,11 +40,12 @@ def _grads(module):
     return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
 
 
-def _step(plan, models, batch):
+def _step(plan, models, batch, micro_batch_tokens=None):
     """Policy step, clip, draft step (where the draft lives), SGD, then weight sync; what each produced."""
     out = {}
+    taps = TapCollector(batch)
     result = plan.policy_forward_backward(models.policy, batch, float64_grpo_loss_fn(batch.num_response_tokens), CAPTURE,
-                                          lambda loss: loss.backward())
+                                          lambda loss: loss.backward(), taps, micro_batch_tokens)
     plan.reduce_gradients(models.policy)
     out.update(policy_loss=result.loss.double(), logprobs=result.logprobs, batch=result.batch,
                policy_grads=_grads(models.policy))
@@ -52,7 +54,7 @@ def _step(plan, models, batch):
     if plan.hosts_draft:
         from spectrain.train.draft_update import draft_loss  # imports lightning: only where the draft is
 
-        models.draft_inputs = result.draft_inputs
+        models.draft_inputs = taps.chunks
         loss, metrics = draft_loss(models.draft, models.draft_inputs, TTT_STEPS, PASS_DECAY)
         loss.backward()
         plan.reduce_gradients(models.draft)
@@ -74,12 +76,12 @@ def _reference():
 
 def _pp_worker(rank, world, cases):
     outs = []
-    for (pp, dp, cp), schedule, n_mb in cases:
+    for (pp, dp, cp), schedule, n_mb, micro_batch_tokens in cases:
         models = _models(seed=rank)  # different weights per rank: prepare() must make them rank 0's
         plan = PipelinePlan(build_mesh(pp, dp, cp), schedule, n_mb)
         plan.prepare(models)
         assert plan.share({"from": rank}) == {"from": 0}
-        outs.append(dict(_step(plan, models, _batch()), hosts_draft=plan.hosts_draft,
+        outs.append(dict(_step(plan, models, _batch(), micro_batch_tokens), hosts_draft=plan.hosts_draft,
                          is_rollout_rank=plan.is_rollout_rank))
     return outs
 
@@ -99,7 +101,7 @@ def _close(got, want, what):
 
 def _check(case, outs, want):
     """Each rank's share against the single-process step."""
-    what = f"mesh (pp, dp, cp)={case[0]} {case[1]}"
+    what = f"mesh (pp, dp, cp)={case[0]} {case[1]} micro_batch_tokens={case[3]}"
     seen = set()
     for rank, got in enumerate(outs):
         assert got["is_rollout_rank"] == (rank == 0)
@@ -128,9 +130,12 @@ def _check(case, outs, want):
     assert all(o["logprobs"].numel() == o["batch"].num_docs == 0 for o in outs if not o["hosts_draft"])
 
 
-# One 4-process run (spawning is most of the cost): pure PP over 4 stages, PP=2 with DP=2, PP=2 with CP=2.
-CASES = [((4, 1, 1), "GPipe", 2), ((4, 1, 1), "1F1B", 4), ((2, 2, 1), "GPipe", 2),
-         ((2, 2, 1), "Interleaved1F1B", 4), ((2, 1, 2), "1F1B", 2)]
+# One 4-process run (spawning is most of the cost): pure PP over 4 stages, PP=2 with DP=2, PP=2 with CP=2; the last
+# two in rounds of microbatches of at most 32 (dp=2: [13, 7], [25, 17] on rank 0) or 16 tokens per rank (cp=2: the
+# 8 zigzag shards of 2..14 tokens in 3 rounds), whose gradients accumulate.
+CASES = [((4, 1, 1), "GPipe", 2, None), ((4, 1, 1), "1F1B", 4, None), ((2, 2, 1), "GPipe", 2, None),
+         ((2, 2, 1), "Interleaved1F1B", 4, None), ((2, 1, 2), "1F1B", 2, None), ((2, 2, 1), "GPipe", 2, 32),
+         ((2, 1, 2), "1F1B", 2, 16)]
 
 
 @pytest.mark.slow

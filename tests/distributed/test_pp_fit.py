@@ -42,6 +42,12 @@ LAYOUTS = {  # name -> (processes, overrides); pp=1 in this process is the refer
     "pp2_dp2_1f1b": (4, ["parallel.pp=2", "parallel.dp=2", "parallel.pp_schedule=1F1B", "parallel.microbatches=2"]),
     "pp2_cp2_gpipe": (4, ["parallel.pp=2", "parallel.cp=2", "parallel.pp_schedule=GPipe", "parallel.microbatches=2"]),
     "cp2": (2, ["parallel.cp=2"]),  # the metric sums over ranks without pp, too
+    # micro-batches of about two documents (each ~20 tokens): gradients accumulate, the draft takes each one's taps
+    "micro": (1, ["grpo.micro_batch_tokens=40"]),
+    "cp2_micro": (2, ["parallel.cp=2", "grpo.micro_batch_tokens=16"]),
+    # a pipeline microbatch holds a whole document (<= rollout.max_model_len): rounds of 2 one-document microbatches
+    "pp2_micro": (2, ["parallel.pp=2", "parallel.pp_schedule=GPipe", "parallel.microbatches=2",
+                      "rollout.max_model_len=32", "grpo.micro_batch_tokens=32"]),
 }
 TIMING = ("seconds", "tokens_per_s", "time/")  # wall-clock columns differ by nature
 # Measured: policy/loss within 4.5e-6 and policy/clip_fraction within 7e-8 (both summed in float32, per
@@ -171,9 +177,11 @@ def test_parallel_fits_reproduce_one_process(tmp_path):
     assert all(0 < float(r["policy/engine_logprob_diff"]) < 1e-5 for r in want)
     assert all(float(r["policy/clip_fraction"]) > 0 for r in want[1:]), "nothing clipped: raise grpo.lr"
     assert want_diff == pytest.approx(float(want[-1]["policy/engine_logprob_diff"]), rel=RTOL)
-    per_rank = [res for world in (2, 4)  # one launch per world size: starting processes is most of the cost
-                for res in run_distributed(_worker, world, tmp_path, [n for n, (w, _) in LAYOUTS.items() if w == world],
-                                           timeout=600)]
+    per_rank = [{name: _fit_one_thread(tmp_path / name, overrides, tmp_path / f"warmstart_{name}")}
+                for name, (w, overrides) in LAYOUTS.items() if w == 1]
+    per_rank += [res for world in (2, 4)  # one launch per world size: starting processes is most of the cost
+                 for res in run_distributed(_worker, world, tmp_path, [n for n, (w, _) in LAYOUTS.items() if w == world],
+                                            timeout=600)]
     for name in LAYOUTS:
         got = _step_rows(tmp_path / name)
         assert _compared_columns(got[0]) == columns, name

@@ -47,10 +47,19 @@ def module_with_draft_inputs():
                   draft_opt=torch.optim.SGD(draft.parameters(), lr=0.1))
 
 
+def run_step(callback: DraftCoTraining, module, step: int) -> None:
+    """One training step's hooks as Lightning and GRPOModule call them: start, each micro-batch's taps, end."""
+    callback.on_train_batch_start(trainer_at(step - 1), module, None, 0)
+    if callback.wants_draft_taps(trainer_at(step - 1)):
+        for chunk in module.draft_inputs:
+            callback.on_draft_taps(trainer_at(step - 1), module, chunk)
+    callback.on_train_batch_end(trainer_at(step), module, None, None, 0)
+
+
 def test_draft_cotraining_steps_the_draft():
     module = module_with_draft_inputs()
     before = [p.detach().clone() for p in module.draft.parameters()]
-    DraftCoTraining(ttt_passes=2).on_train_batch_end(trainer_at(1), module, None, None, 0)
+    run_step(DraftCoTraining(ttt_passes=2), module, 1)
     assert any(not torch.equal(a, b) for a, b in zip(before, module.draft.parameters()))
     assert module.logged["draft/skipped_steps"] == 0 and "draft/pass_2_top1" in module.logged
     assert module.counted_updates == 1 and module.logged["draft/lr"] == 0.1  # the lr ramp advanced by the update
@@ -63,7 +72,7 @@ def test_nan_guard_skips_the_draft_step():
     callback = DraftCoTraining(ttt_passes=2)
     with pytest.warns(UserWarning, match=r"draft update skipped \(step 1, 1 skipped so far\): loss nan, gradient norm "
                                          r"nan: not finite\. The draft and its optimizer are unchanged"):
-        callback.on_train_batch_end(trainer_at(1), module, None, None, 0)
+        run_step(callback, module, 1)
     assert all(torch.equal(a, b) for a, b in zip(before, module.draft.parameters()))
     assert callback.steps_skipped == 1 and module.logged["draft/skipped_steps"] == 1
     assert module.counted_updates == 0  # a skipped update does not advance the lr ramp
@@ -75,7 +84,7 @@ def test_every_n_steps():
     callback = DraftCoTraining(every_n_steps=2, ttt_passes=1)
     losses = []
     for step in (1, 2, 3):
-        callback.on_train_batch_end(trainer_at(step), module, None, None, 0)
+        run_step(callback, module, step)
         losses.append(module.logged["draft/loss"])
     assert callback.steps_trained == 2  # steps 1 and 3
     # the step in between logs NaN: a missing value would make Lightning repeat step 1's

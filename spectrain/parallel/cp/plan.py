@@ -17,11 +17,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from spectrain.models.llama import LlamaForCausalLM
 from spectrain.parallel.mesh import MESH_DIMS, ROLLOUT_RANK, all_reduce_gradients
-from spectrain.parallel.plan import LocalPlan, PolicyStepResult, ShiftFn, draft_inputs_from, ttt_valid_tokens
+from spectrain.parallel.plan import LocalPlan, PolicyStepResult, ShiftFn, micro_batch_step
 from spectrain.parallel.cp.ring import ZigzagRingAttentionOps
 from spectrain.parallel.cp.zigzag import ZigzagLayout, shard, shift_left
 from spectrain.parallel.torch_compat import flatten_mesh
-from spectrain.batch import RolloutBatch
+from spectrain.batch import RolloutBatch, concat_batches, micro_batches
 
 
 def check_cp_attention_ops(ops) -> None:
@@ -111,28 +111,35 @@ class ContextParallelPlan:
         dist.broadcast_object_list(box, src=ROLLOUT_RANK, group=self.replica_group)
         return box[0]
 
-    def shard(self, batch: RolloutBatch, policy: LlamaForCausalLM) -> tuple[RolloutBatch, ZigzagLayout]:
-        """This rank's part: its dp slice of the documents, zigzag-sharded over the cp group."""
-        part = batch.select(dp_documents(batch.num_docs, self.dp_size, self.dp_rank))
+    def shard(self, part: RolloutBatch, policy: LlamaForCausalLM) -> tuple[RolloutBatch, ZigzagLayout]:
+        """This rank's zigzag shard of `part` (documents of its dp slice) over the cp group."""
         layout = ZigzagLayout.build(part.cu_seqlens, self.cp_size, self.cp_rank,
                                     max_seqlen=policy.cfg.max_position_embeddings)
         return shard_batch(part, layout, policy.cfg.pad_token_id), layout
 
-    def policy_forward_backward(self, policy, batch, loss_fn, tap_layers, backward) -> PolicyStepResult:
-        local, layout = self.shard(batch, policy)
-        ops = ZigzagRingAttentionOps(self.cp_group, local_ops=policy.attention_ops)
-        local_ops, policy.attention_ops = policy.attention_ops, ops  # autograd keeps `ops` for the backward
-        try:
-            out = policy(local.input_ids, local.position_ids, local.cu_seqlens, tap_layers=tap_layers)
-        finally:
-            policy.attention_ops = local_ops
-        loss, logprobs = loss_fn(out.logits, local)
-        backward(loss)
-        inputs = [draft_inputs_from(out, local, ops, zigzag_shift_fn(layout, self.cp_group), ttt_valid_tokens(batch))
-                  ] if tap_layers else []
-        step_loss = loss.detach().clone()  # the shares add up to the step's loss: log that, not rank 0's share
+    def policy_forward_backward(self, policy, batch, loss_fn, tap_layers, backward, on_taps=None,
+                                micro_batch_tokens=None) -> PolicyStepResult:
+        """This rank's dp slice in micro-batches of whole documents, each zigzag-sharded: the cp ranks of a group
+        cut the same documents, so their rings line up; `micro_batch_tokens` is per rank (a micro-batch holds up
+        to `cp` times as many tokens)."""
+        part = batch.select(dp_documents(batch.num_docs, self.dp_size, self.dp_rank))
+        budget = None if micro_batch_tokens is None else micro_batch_tokens * self.cp_size
+        losses, logprobs, shards = [], [], []
+        for mb in micro_batches(part, budget):
+            local, layout = self.shard(mb, policy)
+            ops = ZigzagRingAttentionOps(self.cp_group, local_ops=policy.attention_ops)
+            local_ops, policy.attention_ops = policy.attention_ops, ops  # autograd keeps `ops` for the backward
+            try:
+                loss, lp = micro_batch_step(policy, local, loss_fn, tap_layers, backward, on_taps, ops,
+                                            zigzag_shift_fn(layout, self.cp_group))
+            finally:
+                policy.attention_ops = local_ops
+            losses.append(loss)
+            logprobs.append(lp)
+            shards.append(local)
+        step_loss = torch.stack(losses).sum()  # the shares add up to the step's loss: log that, not rank 0's share
         dist.all_reduce(step_loss, group=self.replica_group)
-        return PolicyStepResult(step_loss, logprobs.detach(), local, inputs)
+        return PolicyStepResult(step_loss, torch.cat(logprobs), concat_batches(shards, part))
 
     def reduce_gradients(self, module: nn.Module) -> None:
         """Sum gradients over all replicas (every rank runs the same graph: the same parameters have them)."""

@@ -12,11 +12,13 @@ shares the parameters and keeps HF names). A step:
 - pp: `PipelineRunner` cuts the part into `n_microbatches` packed microbatches, runs the
   schedule unchanged, and on the last stage calls the GRPO loss per microbatch (each is
   already normalised by the global token count, so the sum is the step loss). The draft's
-  taps travel from earlier stages over the `TapChannel`; the last stage keeps one
-  `DraftInputs` per microbatch for `DraftCoTraining`, which runs there only. They outlive
-  the step (the draft trains after all `grpo.minibatches` updates), so none may be a view of
-  a pipelining buffer, which the next `schedule.step()` refills: the taps are the channel's
-  copies, the teacher logits come out of the stage's forward, the batch out of `select`.
+  taps travel from earlier stages over the `TapChannel`; when the schedule ends, the last
+  stage hands one `DraftInputs` per microbatch to `on_taps` (`DraftCoTraining` runs there
+  only). None may be a view of a pipelining buffer, which the next `schedule.step()` refills:
+  the taps are the channel's copies, the teacher logits come out of the stage's forward, the
+  batch out of `select`.
+- `grpo.micro_batch_tokens`: the part runs in rounds of `n_microbatches` microbatches of at
+  most that many tokens each (`pipeline_rounds`), one schedule per round; gradients accumulate.
 
 Gradients are summed over the stage's dp x cp replicas; the clip norm is the global one
 (squared norms summed over the pp group). Weight sync gathers every stage (and the draft,
@@ -29,8 +31,6 @@ budget: the smallest multiple of `TOKEN_MULTIPLE` into which the step's document
 microbatch beyond the tightest fit) and the number of runners kept.
 """
 from __future__ import annotations
-
-from dataclasses import fields
 
 import torch
 import torch.distributed as dist
@@ -52,16 +52,42 @@ from spectrain.parallel.plan import (
     LocalPlan,
     PolicyLossFn,
     PolicyStepResult,
+    UNSET_NORMALISER,
     draft_inputs_from,
-    ttt_valid_tokens,
 )
 from spectrain.parallel.cp.ring import ZigzagRingAttentionOps
 from spectrain.parallel.pp.tap_channel import TapChannel, new_tap_group
 from spectrain.parallel.cp.zigzag import ZigzagLayout
 from spectrain.parallel.torch_compat import flatten_dense_tensors, flatten_mesh, unflatten_dense_tensors
-from spectrain.batch import RolloutBatch
+from spectrain.batch import RolloutBatch, concat_batches
 
 TOKEN_MULTIPLE = 64
+
+
+def pipeline_rounds(part: RolloutBatch, n_microbatches: int, micro_batch_tokens: int | None,
+                    cp_size: int) -> list[RolloutBatch]:
+    """`part` in the fewest contiguous rounds whose documents pack into `n_microbatches` microbatches of at most
+    `micro_batch_tokens` tokens each (per rank: zigzag shards hold 1/cp of a document); None: one round.
+
+    Each round is one run of the schedule, so the pipeline's shapes stay static; gradients accumulate over rounds.
+    """
+    if micro_batch_tokens is None:
+        return [part]
+    lengths = part.cu_seqlens[1:] - part.cu_seqlens[:-1]
+    if cp_size > 1:  # a zigzag shard: the document padded to 2*cp chunks, two of them per rank
+        lengths = -(-lengths // (2 * cp_size)) * 2
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    for rounds in range(1, part.num_docs // n_microbatches + 1):
+        splits = torch.tensor_split(torch.arange(part.num_docs), rounds)
+        try:
+            for docs in splits:
+                split_microbatches(cu[docs[0]:docs[-1] + 2] - cu[docs[0]], n_microbatches, micro_batch_tokens)
+        except ValueError:
+            continue
+        return [part.select(d.tolist()) for d in splits]
+    raise ValueError(f"grpo.micro_batch_tokens={micro_batch_tokens}: this rank's {part.num_docs} documents do not "
+                     f"pack into rounds of parallel.microbatches={n_microbatches} microbatches of that many tokens; "
+                     f"raise grpo.micro_batch_tokens or lower parallel.microbatches")
 
 
 def microbatch_budget(cu_seqlens: torch.Tensor, n_microbatches: int, multiple: int = TOKEN_MULTIPLE) -> int:
@@ -107,18 +133,6 @@ class ZigzagDocs:
         local = shard_batch(sub, layout, self.cfg.pad_token_id)
         self.layouts[id(local)] = layout
         return local
-
-
-def concat_batches(parts: list[RolloutBatch], like: RolloutBatch) -> RolloutBatch:
-    """The microbatches back to back, in order (`like`, emptied, when there are none)."""
-    names = [f.name for f in fields(RolloutBatch) if f.name != "cu_seqlens"]
-    if not parts:
-        return RolloutBatch(cu_seqlens=like.cu_seqlens[:1], **{n: getattr(like, n)[:0] for n in names})
-    cu, offset = [parts[0].cu_seqlens[:1]], 0
-    for p in parts:
-        cu.append(p.cu_seqlens[1:] + offset)
-        offset += p.input_ids.numel()
-    return RolloutBatch(cu_seqlens=torch.cat(cu), **{n: torch.cat([getattr(p, n) for p in parts]) for n in names})
 
 
 def _send(tensors: list[torch.Tensor], group: dist.ProcessGroup, dst: int) -> None:
@@ -212,33 +226,48 @@ class PipelinePlan:
         self._outputs.append((out, mb, logprobs.detach()))
         return loss
 
-    def policy_forward_backward(self, policy, batch, loss_fn, tap_layers, backward) -> PolicyStepResult:
+    def policy_forward_backward(self, policy, batch, loss_fn, tap_layers, backward, on_taps=None,
+                                micro_batch_tokens=None) -> PolicyStepResult:
         """The pipelined forward and backward of this rank's part of `batch`.
 
+        Without `micro_batch_tokens` the part runs as one schedule of `n_microbatches` microbatches;
+        with it, in rounds of `n_microbatches` microbatches of at most that many tokens each
+        (`pipeline_rounds`). Each round's taps go to `on_taps` (on the last stage) when it ends.
         `backward` is not used: the schedule runs each microbatch's backward itself (so
         Lightning's precision scaling does not apply; fine for fp32 and bf16-true).
         """
         part = batch.select(dp_documents(batch.num_docs, self.dp_size, self.dp_rank))
+        losses, logprobs, shards = [], [], []
+        for docs in pipeline_rounds(part, self.n_microbatches, micro_batch_tokens, self.cp_size):
+            round_losses, outputs, docs = self._round(policy, docs, loss_fn, tuple(tap_layers), micro_batch_tokens)
+            losses += round_losses
+            for out, mb, lp in outputs:
+                if tap_layers:
+                    shift_fn = None if self.cp_size == 1 else zigzag_shift_fn(docs.layouts[id(mb)], self.cp_group)
+                    on_taps(draft_inputs_from(out, mb, self._ops, shift_fn, UNSET_NORMALISER))
+                logprobs.append(lp)
+                shards.append(mb)
+        # the last stages' shares add up to the step's loss: log that everywhere (float64: one dtype on every rank)
+        step_loss = torch.stack(losses).sum().double() if losses else torch.zeros((), dtype=torch.float64)
+        dist.all_reduce(step_loss)
+        return PolicyStepResult(step_loss, torch.cat(logprobs) if logprobs else torch.zeros(0),
+                                concat_batches(shards, part))
+
+    def _round(self, policy, part: RolloutBatch, loss_fn, tap_layers: tuple[int, ...], micro_batch_tokens):
+        """One schedule over `part`: the last stage's losses and (output, microbatch, logprobs), and the docs."""
         docs = part if self.cp_size == 1 else ZigzagDocs(part, self.cp_size, self.cp_rank, policy.cfg)
-        runner = self._runner(policy, tuple(tap_layers), microbatch_budget(docs.cu_seqlens, self.n_microbatches))
-        self._loss_fn, self._outputs = loss_fn, []
+        budget = microbatch_budget(docs.cu_seqlens, self.n_microbatches)
+        assert micro_batch_tokens is None or budget <= -(-micro_batch_tokens // TOKEN_MULTIPLE) * TOKEN_MULTIPLE, (
+            budget, micro_batch_tokens)
+        runner = self._runner(policy, tap_layers, budget)
+        self._loss_fn, self._outputs, self._ops = loss_fn, [], runner.stages[-1].attention_ops
         try:
             losses = runner.step(docs)
             outputs = self._outputs
         finally:
             self._loss_fn, self._outputs = None, []
         assert (losses is not None) == runner.has_last and len(outputs) == len(losses or ()), "one loss per microbatch"
-        # the last stages' shares add up to the step's loss: log that everywhere (float64: one dtype on every rank)
-        step_loss = torch.stack(losses).sum().double() if losses else torch.zeros((), dtype=torch.float64)
-        dist.all_reduce(step_loss)
-        inputs = []
-        if tap_layers:
-            ops, num_valid = runner.stages[-1].attention_ops, ttt_valid_tokens(batch)
-            for out, mb, _ in outputs:
-                shift_fn = None if self.cp_size == 1 else zigzag_shift_fn(docs.layouts[id(mb)], self.cp_group)
-                inputs.append(draft_inputs_from(out, mb, ops, shift_fn, num_valid))
-        logprobs = torch.cat([lp for _, _, lp in outputs]) if outputs else torch.zeros(0)
-        return PolicyStepResult(step_loss, logprobs, concat_batches([mb for _, mb, _ in outputs], part), inputs)
+        return list(losses or ()), outputs, docs
 
     def reduce_gradients(self, module: nn.Module) -> None:
         """Sum the gradients over the copies of this rank's stage(s) (its dp x cp group)."""
