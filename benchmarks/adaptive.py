@@ -270,7 +270,7 @@ class StepRecorder(Callback):
         self.started = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        step_s, stats = time.perf_counter() - self.started, pl_module.rollout_stats
+        step_s, stats = time.perf_counter() - self.started, outputs["step"].rollout
         spot = pl_module.stepwise.metrics
         self.records.append({"step_s": step_s, "rollout_s": stats.seconds, "sync_s": self.sync.seconds,
                              "train_s": step_s - stats.seconds - self.sync.seconds,
@@ -303,8 +303,7 @@ def run_grpo(opts: BenchOptions, engine, policy_dir: Path, draft_dir: Path, budg
     lengths = long_tailed_lengths(opts, len(prompts), opts.seed + 7)
     lengths[-1] = opts.max_tokens  # one straggler prompt: the long tail spot training is for
     module = LongTailedGRPOModule(config, load_pretrained(policy_dir), load_draft(draft_dir), TokenIds(),
-                                  even_token_share, max_tokens=lengths)
-    module.engine = engine
+                                  even_token_share, max_tokens=lengths, engine=engine)
     d = config.draft
     sync = TimedWeightSync(check_alive=False)  # no drafter probes: the toy draft's acceptance may well swing
     recorder = StepRecorder(sync)

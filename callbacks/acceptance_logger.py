@@ -31,7 +31,7 @@ class AcceptanceLengthLogger(HistoryCallback):
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        spec = pl_module.rollout_stats.spec
+        spec = outputs["step"].rollout.spec
         if spec.num_drafts == 0:  # nothing drafted (k=0): NaN, or Lightning repeats the last step's values
             if self.history:
                 pl_module.log_dict({f"spec/{k}": math.nan for k in self.history[-1] if k != "step"},

@@ -40,7 +40,7 @@ def feature_shift(taps: list[torch.Tensor], ref_taps: list[torch.Tensor], mask: 
 
 class PolicyDrift(Callback):
     """Logs, after every `every_n_steps`-th step, how far the policy has drifted from its warm start on
-    the rollout it just trained on (`pl_module.rollout_batch`, response tokens only):
+    the rollout it just trained on (the step result's `batch`, response tokens only):
 
     - `drift/kl_to_warmstart`: KL(policy || warm start) of the next-token distributions;
     - `drift/feature_shift`: relative L2 shift of the tap features (the draft's input);
@@ -89,11 +89,11 @@ class PolicyDrift(Callback):
         if (trainer.global_step - 1) % self.every_n_steps:
             pl_module.log_dict(dict.fromkeys(METRICS, math.nan), on_step=True, batch_size=1)
             return
-        pl_module.log_dict(self.measure(pl_module), on_step=True, batch_size=1)
+        pl_module.log_dict(self.measure(pl_module, outputs["step"].batch), on_step=True, batch_size=1)
 
     @torch.no_grad()
-    def measure(self, pl_module) -> dict[str, float]:
-        batch, policy = pl_module.rollout_batch, pl_module.policy
+    def measure(self, pl_module, batch) -> dict[str, float]:
+        policy = pl_module.policy
         taps = tuple(pl_module.draft.cfg.tap_layers) if pl_module.draft is not None \
             else default_aux_layers(policy.cfg.num_hidden_layers)
         out = policy(batch.input_ids, batch.position_ids, batch.cu_seqlens, tap_layers=taps)

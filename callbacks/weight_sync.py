@@ -26,7 +26,7 @@ class WeightSync(Callback):
     - After every sync the engine's layers are probed (`VLLMRolloutEngine.verify_weights`):
       they must compute what the trainer's tensors compute, within `weight_rtol`.
     - The next rollout's logprobs must equal the trainer's before its first update: the mean
-      absolute difference (`pl_module.engine_logprob_diff`) must stay within `logprob_tolerance`.
+      absolute difference (the step result's `engine_logprob_diff`) must stay within `logprob_tolerance`.
     - A drafter lost in the engine (e.g. freed by sleep mode) yields acceptance length 1.00 and
       no error. When acceptance after a draft sync is poor (no token accepted; a gain `length - 1`
       under `collapse_ratio` x the median of the recent `window` steps; or, with no history yet,
@@ -82,9 +82,10 @@ class WeightSync(Callback):
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._check_rollout_logprobs(trainer, pl_module)
+        step = outputs["step"]  # the module's StepResult
+        self._check_rollout_logprobs(trainer, pl_module, step.engine_logprob_diff)
         if self.check_alive and not self.speculation_disabled:
-            self._check_speculation(trainer, pl_module)
+            self._check_speculation(trainer, pl_module, step.rollout.spec)
         started = time.perf_counter()
         self.push(trainer, pl_module, draft=pl_module.trains_draft)
         pl_module.log_dict({"time/weight_sync": time.perf_counter() - started,
@@ -135,12 +136,9 @@ class WeightSync(Callback):
         rank_zero_warn(f"[spectrain] {message} (sync.on_mismatch=warn: re-sending)")
 
     # checks on the rollout --------------------------------------------------------------
-    def _check_rollout_logprobs(self, trainer, pl_module) -> None:
-        """The rollout was sampled from the last synced policy: its logprobs must be the trainer's.
-
-        Under `on_mismatch="warn"` the push that follows this check is the re-sync.
-        """
-        diff = getattr(pl_module, "engine_logprob_diff", math.nan)
+    def _check_rollout_logprobs(self, trainer, pl_module, diff: float) -> None:
+        """The rollout was sampled from the last synced policy: its logprobs (`diff`, the step's mean absolute
+        difference) must be the trainer's. Under `on_mismatch="warn"` the push that follows is the re-sync."""
         tolerance = self.logprob_tolerance or _LOGPROB_TOLERANCE.get(_policy_dtype(pl_module), 5e-2)
         if math.isnan(diff) or diff <= tolerance:
             return
@@ -150,9 +148,8 @@ class WeightSync(Callback):
             f"engine sampled from other weights than the trainer holds. Check the policy's parameter names and "
             f"dtype against the engine's, or raise sync.logprob_tolerance if they differ on purpose")
 
-    def _check_speculation(self, trainer, pl_module) -> None:
-        spec = pl_module.rollout_stats.spec if pl_module.rollout_stats else None
-        if spec is None or spec.num_drafts < self.min_drafts_for_check:
+    def _check_speculation(self, trainer, pl_module, spec) -> None:
+        if spec.num_drafts < self.min_drafts_for_check:
             return
         gain = spec.mean_acceptance_length - 1.0
         baseline = statistics.median(self.recent_gains) if len(self.recent_gains) >= 3 else None

@@ -142,3 +142,13 @@ def dense_ttt(q, keys, values, mask, scale=None):
     v = torch.cat(values).repeat_interleave(group, dim=1)
     s = (torch.einsum("qhd,khd->hqk", q, k) * scale).masked_fill(~mask, float("-inf"))
     return torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v)
+
+
+def step_outputs(module) -> dict:
+    """What `on_train_batch_end` gets as `outputs` after a step, built from a stand-in module's fields (the
+    `StepResult` parts the callbacks read: the rollout's counters, the logprob check, the batch)."""
+    from types import SimpleNamespace
+
+    return {"step": SimpleNamespace(rollout=getattr(module, "rollout_stats", None),
+                                    engine_logprob_diff=getattr(module, "engine_logprob_diff", float("nan")),
+                                    batch=getattr(module, "rollout_batch", None))}

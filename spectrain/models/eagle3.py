@@ -291,6 +291,7 @@ def ttt_loss(
     lm_head: torch.Tensor | None = None,
     loss_kernel: str = "auto",
     chunk: int = DEFAULT_CHUNK,
+    teacher_top1: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, TTTMetrics]:
     """Soft cross-entropy of each pass against the policy, restricted to the draft vocab.
 
@@ -304,28 +305,39 @@ def ttt_loss(
     Args:
         draft_outputs: K tensors from `Eagle3Draft.forward`: the logits `[T, Vd]` (scored
             densely), or with `lm_head` the normed hidden states `[T, H]` (`normed_hidden=True`).
-        teacher_logits: policy logits `[T, V]`; detached here, kept in their own dtype (bf16
-            stays bf16) and upcast per pass by the dense path, per chunk by the others. On one
+        teacher_logits: policy logits `[T, V]` (`[T, Vd]` with `teacher_top1`); detached here,
+            kept in their own dtype (bf16 stays bf16) and upcast per pass by the dense path, per
+            chunk by the others. On one
             rank (`shift_fn` None or `shift_within_docs`) every pass reads the one restricted
             teacher at rows i + d (`draft_soft_ce_top1(..., rows=)`); other shifts (context
             parallel) copy it shifted per pass.
         response_mask: `[T]`, nonzero where position t predicts a response token.
         t2d: bool `[V]`, the draft vocabulary.
+        teacher_top1: with it, `teacher_logits` is the teacher already restricted to the draft
+            vocab `[T, Vd]` (any per-row shift of the logits, e.g. the policy's log-probs from
+            `ops.chunked_logprobs.teacher_on_draft_vocab`) and this int64 `[T]` is the policy's
+            top-1 over the whole vocab: no `[T, V]` logits needed.
         lm_head: the draft's `lm_head.weight` `[Vd, H]`, applied by `draft_soft_ce_top1`
             with `loss_kernel` (`draft.loss_kernel`) and `chunk` rows at a time.
     """
     local = shift_fn in (None, shift_within_docs)
     shift_fn = shift_fn or shift_within_docs
-    t, vocab = teacher_logits.shape
+    t, vocab = teacher_logits.shape[0], t2d.shape[0]
     assert len(draft_outputs) >= 1, "no TTT pass to score"
     assert response_mask.shape == (t,), (response_mask.shape, t)
-    assert t2d.shape == (vocab,) and t2d.dtype == torch.bool, (t2d.shape, t2d.dtype)
+    assert t2d.dim() == 1 and t2d.dtype == torch.bool, (t2d.shape, t2d.dtype)
     used = torch.nonzero(t2d).flatten()  # draft id -> target id
     teacher = teacher_logits.detach()
-    restricted = teacher if used.numel() == vocab else teacher[:, used]
+    if teacher_top1 is None:
+        assert teacher.shape == (t, vocab), (teacher.shape, vocab)
+        restricted = teacher if used.numel() == vocab else teacher[:, used]
+        teacher_top1 = teacher.argmax(-1)
+    else:
+        assert teacher.shape == (t, used.numel()) and teacher_top1.shape == (t,), (teacher.shape, teacher_top1.shape)
+        restricted = teacher
     # Validity and the policy's top-1 (over the full vocab) travel together, one shift per pass
     # (target ids are exact in float32 below 2**24).
-    policy = torch.stack([(response_mask != 0).float(), teacher.argmax(-1).float()], dim=-1)
+    policy = torch.stack([(response_mask != 0).float(), teacher_top1.float()], dim=-1)
     total = 0.0
     loss_sum, correct, count = [], [], []
     for d, out in enumerate(draft_outputs, start=1):

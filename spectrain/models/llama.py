@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from spectrain.ops.attention import LocalAttentionOps, varlen_attention
+from spectrain.ops.chunked_logprobs import DEFAULT_CHUNK_TOKENS, teacher_on_draft_vocab, token_logprobs
 
 
 # model_type -> the HF architecture this module implements for it
@@ -211,8 +213,18 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.activation_checkpointing = False  # set by `apply_activation_checkpointing`
 
     def forward(self, x, cos, sin, cu_seqlens, ops) -> torch.Tensor:
+        """The layer; with activation checkpointing its input alone is kept and the rest recomputed in the
+        backward (inside this module's call, so FSDP's hooks on the layer gather the weights for the recompute)."""
+        if self.activation_checkpointing and torch.is_grad_enabled():
+            # no dropout, no random numbers: no RNG state to stash for the recompute
+            return checkpoint(self._forward, x, cos, sin, cu_seqlens, ops, use_reentrant=False,
+                              preserve_rng_state=False)
+        return self._forward(x, cos, sin, cu_seqlens, ops)
+
+    def _forward(self, x, cos, sin, cu_seqlens, ops) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, ops)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -223,6 +235,8 @@ class CausalLMOutput:
     hidden: torch.Tensor  # after the final norm, [T, H]
     embeds: torch.Tensor  # embedding output, [T, H]
     tap_hidden: list[torch.Tensor] = field(default_factory=list)  # residual entering each captured layer
+    logprobs: torch.Tensor | None = None  # [T] of `logprob_targets`, from the lm_head in chunks
+    teacher: tuple[torch.Tensor, torch.Tensor] | None = None  # `teacher_on_draft_vocab`: ([T, Vd], top-1 [T])
 
 
 class LlamaModel(nn.Module):
@@ -264,7 +278,14 @@ class LlamaForCausalLM(nn.Module):
         cu_seqlens: torch.Tensor,
         tap_layers: tuple[int, ...] = (),
         compute_logits: bool = True,
+        logprob_targets: torch.Tensor | None = None,
+        teacher_t2d: torch.Tensor | None = None,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     ) -> CausalLMOutput:
+        """Logits `[T, V]` unless `compute_logits` is False. Without them (`ops.chunked_logprobs`, `chunk_tokens`
+        rows of logits at a time, inside the forward so that FSDP has the lm_head gathered): the logprobs of
+        `logprob_targets` (int64 `[T]`, -1 for none; differentiable) and the draft's teacher over `teacher_t2d`
+        (bool `[V]`, the draft vocabulary; no gradient)."""
         assert input_ids.dim() == 1 and input_ids.shape == position_ids.shape, (
             f"packed input_ids/position_ids must be 1-D and equal: {input_ids.shape} vs {position_ids.shape}"
         )
@@ -280,13 +301,24 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, cu_seqlens, self.attention_ops)
         hidden = self.model.norm(x)
         logits = self.lm_head(hidden) if compute_logits else None
+        weight = self.lm_head.weight
+        logprobs = None if logprob_targets is None else token_logprobs(hidden, weight, logprob_targets, chunk_tokens)
+        teacher = None if teacher_t2d is None else teacher_on_draft_vocab(hidden, weight, teacher_t2d, chunk_tokens)
         missing = set(tap_layers) - set(captured)
         if missing:
             raise ValueError(
                 f"aux layer ids {sorted(missing)} do not exist: the policy has layers "
                 f"0..{self.cfg.num_hidden_layers - 1}; fix draft.tap_layers"
             )
-        return CausalLMOutput(logits, hidden, embeds, [captured[i] for i in tap_layers])
+        return CausalLMOutput(logits, hidden, embeds, [captured[i] for i in tap_layers], logprobs, teacher)
+
+
+def apply_activation_checkpointing(policy: nn.Module, enabled: bool) -> None:
+    """Recompute every decoder layer of `policy` in the backward (`policy.activation_checkpointing`): one extra
+    layer forward each, for keeping only the layer inputs. A flag on each layer, read at its call: a pipeline
+    stage holding the layers checkpoints too, and `fully_shard` (before or after) keeps it."""
+    for layer in policy.model.layers.values():
+        layer.activation_checkpointing = enabled
 
 
 def default_tap_layers(num_layers: int) -> tuple[int, int, int]:

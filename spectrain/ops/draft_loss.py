@@ -63,12 +63,13 @@ def resolve_loss_kernel(impl: str, device: torch.device) -> str:
     return impl
 
 
-def _row_chunks(n_rows: int, chunk: int) -> Iterator[slice]:
+def row_chunks(n_rows: int, chunk: int) -> Iterator[slice]:
+    """Consecutive slices of at most `chunk` rows covering `n_rows` (also `ops.chunked_logprobs`'s loop)."""
     for start in range(0, n_rows, chunk):
         yield slice(start, min(start + chunk, n_rows))
 
 
-def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """One chunk's logits, as the dense path computes them (matmul in the weights' dtype, then upcast)."""
     return F.linear(hidden, weight).to(dtype)
 
@@ -79,8 +80,8 @@ def _chunked_forward(hidden, weight, teacher, teacher_rows, chunk: int) -> tuple
     n_rows = hidden.shape[0]
     ce, lse_z, lse_t = (hidden.new_empty(n_rows, dtype=dtype) for _ in range(3))
     top1 = hidden.new_empty(n_rows, dtype=torch.long)
-    for rows in _row_chunks(n_rows, chunk):
-        logits, target = _chunk_logits(hidden[rows], weight, dtype), teacher[teacher_rows[rows]].to(dtype)
+    for rows in row_chunks(n_rows, chunk):
+        logits, target = chunk_logits(hidden[rows], weight, dtype), teacher[teacher_rows[rows]].to(dtype)
         ce[rows], top1[rows] = soft_ce_rows(logits, target), logits.argmax(-1)
         lse_z[rows], lse_t[rows] = logits.logsumexp(-1), target.logsumexp(-1)
     return ce, top1, lse_z, lse_t
@@ -88,19 +89,19 @@ def _chunked_forward(hidden, weight, teacher, teacher_rows, chunk: int) -> tuple
 
 def _chunked_dlogits(hidden, weight, teacher, grad, lse_z, lse_t, *, rows) -> torch.Tensor:
     """`grad (softmax(z) - softmax(t))` of one chunk of rows (teacher rows `rows`), the logits recomputed."""
-    z, t = _chunk_logits(hidden, weight, grad.dtype), teacher[rows].to(grad.dtype)
+    z, t = chunk_logits(hidden, weight, grad.dtype), teacher[rows].to(grad.dtype)
     return grad[:, None] * (torch.exp(z - lse_z[:, None]) - torch.exp(t - lse_t[:, None]))
 
 
-def _head_grads(hidden: torch.Tensor, weight: torch.Tensor, chunk: int,
-                dlogits: Callable[[slice], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of the hidden states and the lm_head from one `[chunk, Vd]` logits gradient at a time.
+def head_grads(hidden: torch.Tensor, weight: torch.Tensor, chunk: int,
+               dlogits: Callable[[slice], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of the hidden states and the lm_head from one `[chunk, V]` logits gradient at a time.
 
     The weight gradient accumulates in fp32 (fp64 for fp64 weights) across chunks.
     """
     grad_hidden = torch.empty_like(hidden)
     grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=loss_dtype(weight))
-    for rows in _row_chunks(hidden.shape[0], chunk):
+    for rows in row_chunks(hidden.shape[0], chunk):
         dz = dlogits(rows).to(weight.dtype)
         grad_hidden[rows] = dz @ weight
         grad_weight += dz.T @ hidden[rows]
@@ -137,7 +138,7 @@ class _FusedSoftCE(torch.autograd.Function):
         def dlogits(rows: slice) -> torch.Tensor:
             return kernel(hidden[rows], weight, teacher, grad[rows], lse_z[rows], lse_t[rows], rows=teacher_rows[rows])
 
-        grad_hidden, grad_weight = _head_grads(hidden, weight, ctx.chunk, dlogits)
+        grad_hidden, grad_weight = head_grads(hidden, weight, ctx.chunk, dlogits)
         return grad_hidden, grad_weight, None, None, None, None, None
 
 

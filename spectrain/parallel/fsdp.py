@@ -48,12 +48,28 @@ def sum_gradients(module: nn.Module) -> None:
             unit.set_force_sum_reduction_for_comms(True)
 
 
-def shard_policy(policy: nn.Module, mesh, mp: MixedPrecisionPolicy) -> None:
-    """One FSDP unit per decoder layer (gathered just before it runs, freed after), then the root."""
-    for layer in policy.model.layers.values():
+def _shard_layers_then_root(model: nn.Module, mesh, mp: MixedPrecisionPolicy,
+                            root_reshard_after_forward: bool | None = None) -> None:
+    """One FSDP unit per decoder layer (gathered just before it runs, freed after), then the root (None: FSDP's
+    default for a root, kept gathered from its forward to its backward)."""
+    for layer in model.model.layers.values():
         fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(policy, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=root_reshard_after_forward)
+
+
+def shard_policy(policy: nn.Module, mesh, mp: MixedPrecisionPolicy) -> None:
+    _shard_layers_then_root(policy, mesh, mp)
     sum_gradients(policy)
+
+
+def shard_reference(reference: nn.Module, mesh, mp: MixedPrecisionPolicy) -> None:
+    """The frozen KL reference sharded like the policy (1/N of its weights per rank, no gradients, no optimizer).
+
+    It only ever runs under no_grad, so no backward comes to free the gathered root (embeddings,
+    lm_head): the root reshards after its forward too, unlike the policy's.
+    """
+    reference.requires_grad_(False)
+    _shard_layers_then_root(reference, mesh, mp, root_reshard_after_forward=True)
 
 
 def shard_draft(draft: nn.Module, mesh, mp: MixedPrecisionPolicy) -> None:
@@ -127,9 +143,12 @@ class FullyShardedPlan(ContextParallelPlan):
     """
 
     def shard_modules(self, module: nn.Module, param_dtype: torch.dtype | None = None) -> None:
-        """Shard `module.policy` and `module.draft` in place; build their optimizers afterwards."""
+        """Shard `module.policy`, the KL `module.reference` (when there is one) and `module.draft` in place;
+        build their optimizers afterwards."""
         mp = mixed_precision(param_dtype)
         shard_policy(module.policy, self.replica_mesh, mp)
+        if getattr(module, "reference", None) is not None:
+            shard_reference(module.reference, self.replica_mesh, mp)
         if module.draft is not None:
             shard_draft(module.draft, self.replica_mesh, mp)
 

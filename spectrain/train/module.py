@@ -49,9 +49,28 @@ class RolloutStats:
         return self.num_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class StepResult:
+    """What one GRPO step did: what was generated, rewarded, trained and measured. Every callback gets it as
+    `outputs["step"]` in `on_train_batch_end`; it is all an observer callback may read (docs/dev/contracts.md).
+    The same on every rank."""
+
+    step: int  # the step, counted from 1 (as trainer.max_steps counts)
+    rollout: RolloutStats  # generation: seconds, sequences, tokens, spec-decode counters, engine load
+    rewards: torch.Tensor  # [N] float32, one per completion
+    batch: RolloutBatch  # the packed rollout the updates trained on (advantages included)
+    updates: int  # policy optimizer steps taken (grpo.minibatches x grpo.epochs)
+    policy_loss: float  # mean over the updates
+    grad_norm: float  # mean over the updates, before clipping
+    clip_fraction: float
+    kl: float
+    engine_logprob_diff: float  # mean |trainer - engine| logprob of the rollout's tokens before the first update
+
+
 class GRPOModule(L.LightningModule):
     def __init__(self, config: SpecTrainConfig, policy: LlamaForCausalLM, draft: torch.nn.Module | None,
-                 tokenizer, reward_fn, draft_warmup_state: dict | None = None, reward: str | None = None) -> None:
+                 tokenizer, reward_fn, draft_warmup_state: dict | None = None, reward: str | None = None,
+                 engine: RolloutEngine | None = None) -> None:
         super().__init__()
         self.config = config
         self.policy = policy
@@ -64,16 +83,12 @@ class GRPOModule(L.LightningModule):
         self.automatic_optimization = False
         # KL(policy || warm start) needs the warm start frozen beside the policy
         self.reference = copy.deepcopy(policy).requires_grad_(False) if config.grpo.kl_beta > 0 else None
-        self.engine: RolloutEngine | None = None  # attached by SpecTrainer; not checkpointed
+        self.engine = engine  # on the rollout rank (None elsewhere); not checkpointed
         self.plan: TrainPlan = LocalPlan()  # replaced by SpecParallelStrategy under dp/cp/pp
         self.tail_taps: list[DraftInputs] = []  # the last step's taps, kept only for long-tail spot updates
-        self.rollout_stats: RolloutStats | None = None
-        self.rollout_batch: RolloutBatch | None = None  # the step's packed rollout, for callbacks (PolicyDrift)
         # the step loop, when k adapts per engine step or the long tail trains the draft
         self.stepwise = StepwiseRollouts(config) if uses_step_loop(config) else None
         self._warned_preemption = False
-        # mean |trainer - engine| logprob of the last step's response tokens, over all ranks (NaN: none yet)
-        self.engine_logprob_diff: float = float("nan")
 
     @property
     def tap_layers(self) -> tuple[int, ...]:
@@ -232,15 +247,16 @@ class GRPOModule(L.LightningModule):
 
     @override
     def training_step(self, examples, batch_idx):
+        """rollout -> rewards -> advantages -> for each update, for each micro-batch: forward with taps, policy loss,
+        backward, the taps to the draft's hook; then the update's optimizer step. Callbacks then get the
+        `StepResult`: `DraftCoTraining` steps the draft, `WeightSync` syncs both models to the engine."""
         g = self.config.grpo
         self.seed_sampling("train")
-        completions, rewards, self.rollout_stats = self.rollout(examples, self.config.rollout.group_size,
-                                                                 train_in_tail=True)
+        completions, rewards, rollout = self.rollout(examples, self.config.rollout.group_size, train_in_tail=True)
         assert all(len(c.logprobs) == len(c.token_ids) for c in completions), (
             "the rollout engine must return each sampled token's logprob: they are GRPO's old policy")
         batch = build_rollout_batch(completions, group_advantages(rewards, self.config.rollout.group_size,
                                                                   g.adv_eps)).to(self.device)
-        self.rollout_batch = batch
         on_taps = self.tap_handler(batch)  # None: no callback trains the draft this step
         generator = torch.Generator().manual_seed(self.config.trainer.seed * 1_000_003 + self.global_step)
         updates = [(epoch, docs) for epoch in range(g.epochs)
@@ -262,23 +278,28 @@ class GRPOModule(L.LightningModule):
         clip_fraction, kl, diff_sum, diff_count = self.trainer.strategy.reduce(torch.stack([
             mean("clip_fraction").double(), mean("kl").double(), mismatch.double().sum(),
             torch.tensor(mismatch.numel(), dtype=torch.float64, device=mismatch.device)]), reduce_op="sum").tolist()
-        self.engine_logprob_diff = diff_sum / diff_count if diff_count else float("nan")
+        step = StepResult(self.current_step, rollout, rewards, batch, len(updates), mean("loss").item(),
+                          mean("grad_norm").item(), clip_fraction, kl,
+                          diff_sum / diff_count if diff_count else float("nan"))
+        self.log_step(step, len(examples))
+        return {"loss": mean("loss"), "step": step}
+
+    def log_step(self, step: StepResult, prompts: int) -> None:
         self.log_dict({
-            "reward": rewards.mean(),
-            "policy/loss": mean("loss"),
-            "policy/grad_norm": mean("grad_norm"),
-            "policy/clip_fraction": clip_fraction,
-            "policy/kl": kl,
-            "policy/engine_logprob_diff": self.engine_logprob_diff,
-            "rollout/tokens_per_s": self.rollout_stats.tokens_per_second,
-            "rollout/seconds": self.rollout_stats.seconds,
-            "rollout/mean_response_len": batch.num_response_tokens / batch.num_docs,
-        }, on_step=True, batch_size=len(examples))
-        self.log("reward_mean", rewards.mean(), prog_bar=True, on_step=True, batch_size=len(examples), logger=False)
+            "reward": step.rewards.mean(),
+            "policy/loss": step.policy_loss,
+            "policy/grad_norm": step.grad_norm,
+            "policy/clip_fraction": step.clip_fraction,
+            "policy/kl": step.kl,
+            "policy/engine_logprob_diff": step.engine_logprob_diff,
+            "rollout/tokens_per_s": step.rollout.tokens_per_second,
+            "rollout/seconds": step.rollout.seconds,
+            "rollout/mean_response_len": step.batch.num_response_tokens / step.batch.num_docs,
+        }, on_step=True, batch_size=prompts)
+        self.log("reward_mean", step.rewards.mean(), prog_bar=True, on_step=True, batch_size=prompts, logger=False)
         if self.stepwise is not None:
             self.log_dict(self.stepwise.metrics, on_step=True, batch_size=1)
-        self.log_rollout_load(self.rollout_stats.load)
-        return mean("loss")
+        self.log_rollout_load(step.rollout.load)
 
     def log_rollout_load(self, load: LoadStats) -> None:
         """Queueing and preemption in the engine; warns once when it preempts (a KV cache too small)."""

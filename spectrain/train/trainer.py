@@ -248,8 +248,8 @@ class SpecTrainer:
             overridden = type(self).reward is not SpecTrainer.reward  # errors then name the hook, not reward.name
             self.module = GRPOModule(self.config, policy, draft, self.tokenizer, self.reward,
                                      draft_warmup_state=warmup_optimizer_state(self.warmstart_dir),
-                                     reward=f"{type(self).__name__}.reward" if overridden else None)
-            self.module.engine = self.engine
+                                     reward=f"{type(self).__name__}.reward" if overridden else None,
+                                     engine=self.engine)
             if self.strategy is not None:
                 self.strategy.connect(self.module)
             eval_examples = self.eval_examples()

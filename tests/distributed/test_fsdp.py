@@ -5,21 +5,27 @@ rollout (no vLLM). Two clipped AdamW updates of the policy and one draft update
 (`draft_update`, as co-training runs it) through `FullyShardedPlan` must give LocalPlan's
 losses, gradient norms, clipped gradients and updated weights (float64, 1e-10 relative);
 the weights gathered for the engine equal the unsharded model's; a checkpoint written from
-the shards resumes to the same next step. Last, `SpecTrainer.fit` at dp=2 with fsdp under
-Lightning (test_pp_fit's stand-in engine, no vLLM), stopped and resumed, logs one process's
-metrics. gloo has every collective FSDP2 needs here (all-gather, reduce-scatter with SUM).
+the shards resumes to the same next step. Checkpointed layers (ring attention at cp=2,
+unsharded and sharded) give the plain step's gradients; the KL reference is sharded like the
+policy. Last, `SpecTrainer.fit` at dp=2 with fsdp under Lightning (test_pp_fit's stand-in
+engine, no vLLM), stopped and resumed, logs one process's metrics. gloo has every collective
+FSDP2 needs here (all-gather, reduce-scatter with SUM).
 """
+import copy
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from spectrain.config import ConfigError, load_config
+from spectrain.models.llama import apply_activation_checkpointing
+from spectrain.parallel.cp.plan import ContextParallelPlan
 from spectrain.parallel.fsdp import (FullyShardedPlan, full_tensor, gathered_optimizer_state, gathered_state_dict,
                                      is_sharded, shard_optimizer_state)
 from spectrain.parallel.mesh import build_mesh
-from spectrain.parallel.plan import LocalPlan
+from spectrain.parallel.plan import LocalPlan, TapCollector
 from spectrain.parallel.spawn import run_distributed
 from spectrain.train.draft_update import draft_optimizer, draft_update
 from tests.distributed.test_context_parallel import CAPTURE, PASS_DECAY, TTT_STEPS, _assert_close, _batch, _models
@@ -37,21 +43,22 @@ def _optimizers(models):
     return torch.optim.AdamW(models.policy.parameters(), lr=LR), draft_optimizer(models.draft, LR)
 
 
-def _train(plan, models, optimizers, reduce) -> dict:
+def _train(plan, models, optimizers, reduce, micro_batch_tokens=None) -> dict:
     """`UPDATES` clipped policy updates, then one draft update on the last forward's taps."""
     policy_opt, draft_opt = optimizers
     batch = _batch()
     losses, norms = [], []
     for _ in range(UPDATES):
         policy_opt.zero_grad(set_to_none=True)
+        taps = TapCollector(batch)
         result = plan.policy_forward_backward(models.policy, batch, float64_grpo_loss_fn(batch.num_response_tokens),
-                                              CAPTURE, lambda loss: loss.backward())
+                                              CAPTURE, lambda loss: loss.backward(), taps, micro_batch_tokens)
         plan.reduce_gradients(models.policy)
         norms.append(plan.clip_grad_norm(models.policy, CLIP))
         policy_grads = _full((n, p.grad) for n, p in models.policy.named_parameters())
         policy_opt.step()
         losses.append(result.loss)
-    update = draft_update(models.draft, draft_opt, result.draft_inputs, ttt_passes=TTT_STEPS, pass_decay=PASS_DECAY,
+    update = draft_update(models.draft, draft_opt, taps.chunks, ttt_passes=TTT_STEPS, pass_decay=PASS_DECAY,
                           grad_clip=CLIP, sum_over_ranks=reduce, reduce_gradients=plan.reduce_gradients)
     assert update.applied
     return dict(policy_loss=torch.stack(losses), policy_grad_norm=torch.stack(norms), policy_grads=policy_grads,
@@ -75,12 +82,12 @@ def _sharded(rank, dp, cp, seed=None):
     return plan, models
 
 
-def _fsdp_worker(rank, world, dp, cp):
+def _fsdp_worker(rank, world, dp, cp, micro_batch_tokens=None):
     plan, models = _sharded(rank, dp, cp)
     local = models.policy.model.layers["0"].mlp.up_proj.weight.to_local()
     assert local.shape[0] < models.policy.cfg.intermediate_size  # this rank holds a shard only
     synced = plan.policy_weights(models.policy), plan.draft_weights(models.draft)
-    out = _train(plan, models, _optimizers(models), _all_reduce)
+    out = _train(plan, models, _optimizers(models), _all_reduce, micro_batch_tokens)
     return dict(out, synced_before=synced, synced_after=(plan.policy_weights(models.policy),
                                                          plan.draft_weights(models.draft)))
 
@@ -104,13 +111,14 @@ def _assert_synced(got, want, what):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dp,cp", [(2, 1), (2, 2)])
-def test_fsdp_matches_local_plan(dp, cp):
+@pytest.mark.parametrize("dp,cp,micro_batch_tokens", [(2, 1, None), (2, 2, None), (2, 1, 1), (2, 1, 40)])
+def test_fsdp_matches_local_plan(dp, cp, micro_batch_tokens):
     """Losses, gradient norms, clipped gradients and updated weights of the policy and the draft equal
-    LocalPlan's; rank 0's sync lists equal the unsharded model's (before and after the updates)."""
+    LocalPlan's, whole and in micro-batches (gradients accumulate into the shards); rank 0's sync lists equal
+    the unsharded model's (before and after the updates)."""
     want, (synced_before, synced_after) = _reference()
     assert want["policy_grad_norm"].min() > CLIP and want["draft_loss"] > 0  # clipping on: the global norm matters
-    for rank, got in enumerate(run_distributed(_fsdp_worker, dp * cp, dp, cp, timeout=300)):
+    for rank, got in enumerate(run_distributed(_fsdp_worker, dp * cp, dp, cp, micro_batch_tokens, timeout=300)):
         sync = got.pop("synced_before"), got.pop("synced_after")
         _assert_close(got, want, f"dp={dp} cp={cp} rank {rank}")
         if rank == 0:
@@ -160,6 +168,79 @@ def test_checkpoint_from_shards_resumes_the_same_run(tmp_path):
             _assert_close({str(i): s for i, s in reloaded["state"].items()},
                           {str(i): s for i, s in want["state"].items()}, f"rank {rank} optimizer state")
         _assert_close(got["resumed"], got["after"], f"rank {rank} resumed")
+
+
+def _policy_step(plan, models) -> dict:
+    """One policy forward/backward through `plan`: the step's loss and the full gradients."""
+    batch = _batch()
+    result = plan.policy_forward_backward(models.policy, batch, float64_grpo_loss_fn(batch.num_response_tokens),
+                                          CAPTURE, lambda loss: loss.backward(), TapCollector(batch))
+    plan.reduce_gradients(models.policy)
+    return dict(loss=result.loss, grads=_full((n, p.grad) for n, p in models.policy.named_parameters()))
+
+
+def _checkpointed_step(plan, models) -> dict:
+    """`_policy_step` with every layer checkpointed, checking that each layer did run again in the backward."""
+    apply_activation_checkpointing(models.policy, True)
+    runs = []
+    for layer in models.policy.model.layers.values():
+        layer.mlp.register_forward_pre_hook(lambda *_: runs.append(1))
+    out = _policy_step(plan, models)
+    assert len(runs) == 2 * len(models.policy.model.layers), len(runs)
+    return out
+
+
+def _checkpointed_worker(rank, world):
+    """Activation checkpointing at cp=2: the ring attention's collectives rerun in each layer's recompute; then
+    the same under FSDP over the two cp ranks (each layer's weights gathered again for its recompute)."""
+    models = _models(seed=rank)
+    plan = ContextParallelPlan(build_mesh(1, 1, world))
+    plan.prepare(models)
+    ring = _checkpointed_step(plan, models)
+    return dict(ring=ring, fsdp=_checkpointed_step(*_sharded(rank, 1, world)))
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_under_ring_attention_and_fsdp():
+    """Checkpointed layers at cp=2 (ring attention), unsharded and under FSDP: the loss and every gradient of
+    LocalPlan's plain (not checkpointed) step, float64 to 1e-10."""
+    want = _policy_step(LocalPlan(), _models(seed=0))
+    for rank, got in enumerate(run_distributed(_checkpointed_worker, 2, timeout=300)):
+        for name in ("ring", "fsdp"):
+            _assert_close(got[name], want, f"{name} rank {rank}")
+
+
+def _reference_worker(rank, world):
+    """The KL reference deep-copied from the policy, as GRPOModule does, sharded by `shard_modules`."""
+    models = _models(seed=rank)
+    plan = FullyShardedPlan(build_mesh(1, world, 1))
+    plan.prepare(models)
+    models.reference = copy.deepcopy(models.policy).requires_grad_(False)
+    unsharded = copy.deepcopy(models.reference)
+    plan.shard_modules(models)
+    batch = _batch()
+    args = batch.input_ids, batch.position_ids, batch.cu_seqlens
+    with torch.no_grad():
+        logits = unsharded(*args).logits
+        dense = torch.log_softmax(logits, -1).gather(-1, batch.targets.clamp_min(0)[:, None]).squeeze(-1)
+        got = models.reference(*args, compute_logits=False, logprob_targets=batch.targets, chunk_tokens=7).logprobs
+        got_dense = models.reference(*args).logits
+    params = list(models.reference.parameters())
+    return dict(want=torch.where(batch.targets >= 0, dense, 0.0), got=got, logits=logits, got_logits=got_dense,
+                local=sum(p.to_local().numel() for p in params), total=sum(p.numel() for p in params),
+                sharded=all(isinstance(p, DTensor) for p in params), frozen=not any(p.requires_grad for p in params),
+                root_resharded=isinstance(models.reference.lm_head.weight, DTensor))
+
+
+@pytest.mark.slow
+def test_the_kl_reference_is_sharded_like_the_policy():
+    """At dp=2 each rank holds half of the reference's elements, frozen; its logprobs (chunked lm_head) and
+    logits equal the unsharded copy's, and after a forward its root (embeddings, lm_head) is sharded again."""
+    for rank, got in enumerate(run_distributed(_reference_worker, 2, timeout=300)):
+        assert got["sharded"] and got["frozen"] and got["root_resharded"], rank
+        assert 2 * got["local"] == got["total"], (rank, got["local"], got["total"])
+        torch.testing.assert_close(got["got"], got["want"], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got["got_logits"], got["logits"], rtol=1e-12, atol=1e-12)
 
 
 def test_fsdp_config_errors_name_the_keys():

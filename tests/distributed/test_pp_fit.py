@@ -17,6 +17,7 @@ import time
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
 from spectrain.parallel.spawn import run_distributed
 from tests.helpers import TINY, metrics
 
@@ -130,12 +131,20 @@ class FixedRolloutTrainer(SpecTrainer):
         return (len(completion) % 4) / 3
 
 
+class LastStep(Callback):
+    """Keeps the last `StepResult` this rank's callbacks got."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.step = outputs["step"]
+
+
 def _fit(run_dir, overrides, warmstart_dir):
+    """The run's last step's engine_logprob_diff, as this rank holds it."""
     config = load_config("tiny_cpu", [*EXACT, *overrides, f"trainer.run_dir={run_dir}",
                                       f"trainer.warmstart_dir={warmstart_dir}"])
-    trainer = FixedRolloutTrainer(config)
-    trainer.fit()
-    return trainer.module.engine_logprob_diff
+    last = LastStep()
+    FixedRolloutTrainer(config, callbacks=[last]).fit()
+    return last.step.engine_logprob_diff
 
 
 def _fit_one_thread(*args):

@@ -18,7 +18,7 @@ from spectrain.models.hf_io import save_pretrained
 from spectrain.parallel.plan import LocalPlan
 from spectrain.rollout.engine import SamplingConfig, SpecDecodeCounters
 from spectrain.rollout.vllm.engine import VLLMRolloutEngine
-from tests.helpers import tiny_policy
+from tests.helpers import tiny_policy, step_outputs
 
 pytestmark = pytest.mark.slow
 RTOL = 1e-4  # float32 engine vs float32 trainer: observed 3e-7
@@ -128,12 +128,12 @@ def test_rollout_logprobs_are_checked_against_the_tolerance(world):
     callback = WeightSync(check_alive=False)
     callback.on_train_start(trainer_at(0), module)
     module.engine_logprob_diff = 2e-7  # what a float32 engine serving the trainer's weights shows
-    callback.on_train_batch_end(trainer_at(1), module, None, None, 0)
+    callback.on_train_batch_end(trainer_at(1), module, step_outputs(module), None, 0)
     module.engine_logprob_diff = 3e-2  # what stale weights showed
     with pytest.raises(SyncMismatchError, match="policy sync version 1: the step-2 rollout's logprobs differ"):
-        callback.on_train_batch_end(trainer_at(2), module, None, None, 0)
+        callback.on_train_batch_end(trainer_at(2), module, step_outputs(module), None, 0)
     lenient = WeightSync(check_alive=False, logprob_tolerance=0.1)
-    lenient.on_train_batch_end(trainer_at(2), module, None, None, 0)
+    lenient.on_train_batch_end(trainer_at(2), module, step_outputs(module), None, 0)
     assert lenient.mismatches == 0
 
 
@@ -149,16 +149,16 @@ def test_acceptance_collapse_probes_the_drafter_and_disables_speculation(world):
         callback.on_train_start(trainer_at(0), module)
         for step in (1, 2, 3):  # a healthy window: acceptance length 3.0
             module.rollout_stats = rollout_stats(drafts=50, accepted=100)
-            callback.on_train_batch_end(trainer_at(step), module, None, None, 0)
+            callback.on_train_batch_end(trainer_at(step), module, step_outputs(module), None, 0)
         # Collapse to 1.2 (gain 0.2 < 0.5 x 2.0) with a drafter that is not the synced draft: dead.
         engine.sync_draft([(n, t * 0.5) for n, t in draft_sync_weights(world.draft)], version=99)
         module.rollout_stats = rollout_stats(drafts=50, accepted=10)
         if on_dead == "raise":
             with pytest.raises(SpeculationDeadError, match="acceptance length fell to 1.20 .*recent median 3.00"):
-                callback.on_train_batch_end(trainer_at(4), module, None, None, 0)
+                callback.on_train_batch_end(trainer_at(4), module, step_outputs(module), None, 0)
             continue
         with pytest.warns(UserWarning, match="speculation is OFF from step 5"):
-            callback.on_train_batch_end(trainer_at(4), module, None, None, 0)
+            callback.on_train_batch_end(trainer_at(4), module, step_outputs(module), None, 0)
         before = engine.spec_decode_counters()
         engine.generate(tokens, SamplingConfig(n=1, max_tokens=8, temperature=0.0))
         assert (engine.spec_decode_counters() - before).num_drafts == 0  # plain decoding now
@@ -172,7 +172,7 @@ def test_a_collapse_with_the_right_drafter_only_warns(world):
     callback.load_state_dict({"policy_version": 5, "draft_version": 5, "recent_gains": [2.0, 2.0, 2.0]})
     module.rollout_stats = rollout_stats(drafts=50, accepted=10)
     with pytest.warns(UserWarning, match="fell to 1.20 .*the engine serves the synced draft .*predicts the policy worse"):
-        callback.on_train_batch_end(trainer_at(6), module, None, None, 0)
+        callback.on_train_batch_end(trainer_at(6), module, step_outputs(module), None, 0)
 
 
 def test_the_drafter_is_probed_against_the_last_sync_not_the_draft_trained_since(world):
@@ -188,12 +188,12 @@ def test_the_drafter_is_probed_against_the_last_sync_not_the_draft_trained_since
     with pytest.warns(UserWarning, match=r"step 1: acceptance length is 1\.00 over 586 drafts, and the engine serves "
                                          r"the synced draft \(version 0\): the draft does not predict this policy.*"
                                          r"Co-training learns it"):
-        callback.on_train_batch_end(trainer_at(1), module, None, None, 0)
+        callback.on_train_batch_end(trainer_at(1), module, step_outputs(module), None, 0)
     assert not callback.speculation_disabled
     module.rollout_stats = rollout_stats(drafts=586, accepted=3)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once: the next cold rollouts are quiet
-        callback.on_train_batch_end(trainer_at(2), module, None, None, 0)
+        callback.on_train_batch_end(trainer_at(2), module, step_outputs(module), None, 0)
     assert callback.state_dict()["warned"] == ["cold"]
 
 
@@ -204,12 +204,12 @@ def test_a_frozen_draft_that_does_not_fit_is_warned_about_or_turned_off(world):
     warn_only.on_train_start(trainer_at(0), module)
     with pytest.warns(UserWarning, match="draft.mode=frozen never trains it.*the draft does not fit this policy.*"
                                          "draft.on_dead=disable turns speculation off"):
-        warn_only.on_train_batch_end(trainer_at(1), module, None, None, 0)
+        warn_only.on_train_batch_end(trainer_at(1), module, step_outputs(module), None, 0)
     assert not warn_only.speculation_disabled
     disable = WeightSync(frozen_draft=True, on_dead="disable")
     disable.on_train_start(trainer_at(0), module)
     with pytest.warns(UserWarning, match="speculation is OFF from step 2"):
-        disable.on_train_batch_end(trainer_at(1), module, None, None, 0)
+        disable.on_train_batch_end(trainer_at(1), module, step_outputs(module), None, 0)
     assert disable.speculation_disabled and disable.state_dict()["speculation_disabled"]
 
 

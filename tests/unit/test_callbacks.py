@@ -11,6 +11,7 @@ from spectrain.models.llama import LlamaConfig, LlamaForCausalLM, pack_sequences
 from spectrain.parallel.plan import LocalPlan, draft_inputs_from, ttt_valid_tokens
 from spectrain.batch import build_rollout_batch
 from spectrain.rollout.engine import Completion, ProbeResult, SpecDecodeCounters
+from tests.helpers import step_outputs
 
 
 class Module(SimpleNamespace):
@@ -53,7 +54,7 @@ def run_step(callback: DraftCoTraining, module, step: int) -> None:
     if callback.wants_draft_taps(trainer_at(step - 1)):
         for chunk in module.draft_inputs:
             callback.on_draft_taps(trainer_at(step - 1), module, chunk)
-    callback.on_train_batch_end(trainer_at(step), module, None, None, 0)
+    callback.on_train_batch_end(trainer_at(step), module, step_outputs(module), None, 0)
 
 
 def test_draft_cotraining_steps_the_draft():
@@ -114,28 +115,28 @@ def test_an_acceptance_of_nothing_is_dead_only_if_the_drafter_is_not_the_synced_
     callback = WeightSync(min_drafts_for_check=10)
     callback.on_train_start(sync_trainer(0), module)  # synced and verified
     module.rollout_stats = stats(drafts=50, accepted=7)
-    callback.on_train_batch_end(sync_trainer(1), module, None, None, 0)  # alive: fine
+    callback.on_train_batch_end(sync_trainer(1), module, step_outputs(module), None, 0)  # alive: fine
     probe.mismatches = fault  # the drafter was lost after that sync, or not
     module.rollout_stats = stats(drafts=50, accepted=0)
     if fault:
         with pytest.raises(SpeculationDeadError, match=r"acceptance length is 1\.00 over 50 drafts, and the drafter is "
                                                        r"not the synced draft \(midlayer\.mlp\.down_proj"):
-            callback.on_train_batch_end(sync_trainer(2), module, None, None, 0)
+            callback.on_train_batch_end(sync_trainer(2), module, step_outputs(module), None, 0)
         return
     with pytest.warns(UserWarning, match="the engine serves the synced draft"):
-        callback.on_train_batch_end(sync_trainer(2), module, None, None, 0)
+        callback.on_train_batch_end(sync_trainer(2), module, step_outputs(module), None, 0)
     assert not callback.speculation_disabled
 
 
 def test_acceptance_logger_logs_deltas(tmp_path):
     module = Module(plan=LocalPlan(), logged={}, rollout_stats=stats(drafts=10, accepted=15))
     logger = AcceptanceLengthLogger(plot_path=str(tmp_path / "acc.png"))
-    logger.on_train_batch_end(SimpleNamespace(global_step=1), module, None, None, 0)
+    logger.on_train_batch_end(SimpleNamespace(global_step=1), module, step_outputs(module), None, 0)
     assert module.logged["spec/mean_acceptance_length"] == pytest.approx(2.5)
     assert module.logged["spec/acceptance_rate"] == pytest.approx(0.5)
     assert module.logged["spec/pos_0_rate"] == pytest.approx(1.5)
     module.rollout_stats = stats(drafts=0, accepted=0)  # a step that drafted nothing (k=0) logs NaN
-    logger.on_train_batch_end(SimpleNamespace(global_step=2), module, None, None, 0)
+    logger.on_train_batch_end(SimpleNamespace(global_step=2), module, step_outputs(module), None, 0)
     assert math.isnan(module.logged["spec/mean_acceptance_length"]) and len(logger.history) == 1
     logger.on_train_end(SimpleNamespace(default_root_dir=str(tmp_path)), module)
     assert (tmp_path / "acc.png").is_file()

@@ -47,7 +47,7 @@ def test_a_finite_update_steps_the_policy():
     """The control: the same update on a clean batch changes the weights, so the refusals below are the check's."""
     module, opt = module_and_optimizer()
     batch, before = mixed_length_batch(LENGTHS, module.policy.cfg.vocab_size), weights(module)
-    module.policy_update(batch, (), 0, 1)
+    module.policy_update(batch, None, 0, 1)
     assert not same(before, weights(module)) and opt.state
 
 
@@ -60,7 +60,7 @@ def test_a_non_finite_update_stops_before_the_optimizer_step(poison):
     with pytest.raises(NonFiniteError, match=r"^policy update 2 of 3 in step 1: the loss \(-?(nan|inf)\) or the "
                                              r"gradient norm \((nan|inf)\) is not finite\. Stopped before the "
                                              r"optimizer step: no weight was changed by it.*lower grpo\.lr"):
-        module.policy_update(batch, (), 1, 3)
+        module.policy_update(batch, None, 1, 3)
     assert same(before, weights(module)) and not opt.state  # AdamW never stepped: no moments either
 
 
