@@ -197,13 +197,12 @@ def _step_batch(tokens: int):
 def _step_point(policy, draft, plan, tokens: int, passes: int, world: int) -> dict:
     from spectrain.parallel.plan import TapCollector
     from spectrain.train.draft_update import draft_loss
-    from spectrain.train.grpo import grpo_loss, token_logprobs
+    from spectrain.train.grpo import grpo_loss
 
     batch = _step_batch(tokens)
     num_tokens = batch.num_response_tokens
 
-    def loss_fn(logits, part):
-        logprobs = token_logprobs(logits, part.targets)
+    def loss_fn(logprobs, part):
         return grpo_loss(logprobs, part.rollout_logprobs, part.advantages, part.response_mask, 0.2,
                          num_tokens=num_tokens).loss, logprobs
 

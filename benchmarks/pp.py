@@ -101,7 +101,7 @@ def _measure(rank: int, world: int, o: dict) -> dict:
     from spectrain.parallel.pp.plan import PipelinePlan, microbatch_budget
     from spectrain.parallel.pp.tap_channel import BlockingTapTransport, TapChannel
     from spectrain.train.draft_update import draft_update
-    from spectrain.train.grpo import grpo_loss, token_logprobs
+    from spectrain.train.grpo import grpo_loss
 
     mesh = build_mesh(world, 1, 1)
     policy, draft = _models(o)
@@ -109,8 +109,7 @@ def _measure(rank: int, world: int, o: dict) -> dict:
     batch = _rollout(o)
     num_tokens = batch.num_response_tokens
 
-    def loss_fn(logits, part):
-        logprobs = token_logprobs(logits, part.targets)
+    def loss_fn(logprobs, part):
         out = grpo_loss(logprobs, part.rollout_logprobs, part.advantages, part.response_mask, 0.2,
                         num_tokens=num_tokens)
         return out.loss, logprobs

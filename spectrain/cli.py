@@ -1,4 +1,4 @@
-"""`spectrain` command line: fit, show-config, bench, calibrate.
+"""`spectrain` command line: fit, show-config, plan, bench, calibrate.
 
 Every `SpecTrainError` (a bad recipe, run directory, prompt file, engine start...) is printed
 as one line, `error: <message>`, on stderr with exit code 2; `spectrain --debug ...` raises
@@ -68,6 +68,36 @@ def _show_config(args) -> int:
     return 0
 
 
+PLAN_PLACEHOLDERS = {"data.train_files": "unread-by-spectrain-plan/train.jsonl",
+                     "data.val_files": "unread-by-spectrain-plan/val.jsonl"}
+
+
+def _plan_config(args):
+    """The recipe as `plan` reads it: the prompt files are never read, so unset (`???`) ones get placeholders."""
+    try:
+        return load_config(args.recipe, args.overrides)
+    except ConfigError as exc:
+        given = {item.split("=", 1)[0] for item in args.overrides}
+        fill = [f"{k}={v}" for k, v in PLAN_PLACEHOLDERS.items() if k not in given]
+        if not str(exc).startswith("required values are missing") or not fill:
+            raise
+        return load_config(args.recipe, [*fill, *args.overrides])
+
+
+def _plan(args) -> int:
+    """Exit 0 when the plan fits `--gpu-memory`, 1 when it does not (with the keys to change)."""
+    from spectrain.train.memory_plan import GIB, format_plan, plan_config, policy_architecture, verdict
+
+    if not args.gpu_memory > 0:
+        raise ConfigError(f"--gpu-memory: is {args.gpu_memory}; give one GPU's memory in GiB, e.g. --gpu-memory 80")
+    config = _plan_config(args)
+    policy = policy_architecture(config)
+    plan = plan_config(config, int(args.gpu_memory * GIB), policy)
+    print(format_plan(plan, args.recipe))
+    print(f"verdict: {verdict(plan, config, policy)}")
+    return 0 if plan.fits else 1
+
+
 def _calibrate(args) -> int:
     from spectrain.train.calibrate import calibrate
 
@@ -119,11 +149,16 @@ def build_parser() -> argparse.ArgumentParser:
     show = sub.add_parser("show-config", help="print the fully resolved config of a recipe")
     calib = sub.add_parser("calibrate", help="measure the verify budget C of adaptive speculation "
                                              "into <run_dir>/calibration.json")
-    for p in (fit, show, calib):
+    plan = sub.add_parser("plan", help="print the memory per GPU of a recipe from its config.json alone; "
+                                       "exit 1 when it does not fit")
+    for p in (fit, show, plan, calib):
         p.add_argument("recipe", nargs="?", default=DEFAULT_RECIPE, help="recipe name or YAML path")
         p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.max_steps=5")
+    plan.add_argument("--gpu-memory", type=float, default=80.0, metavar="GiB",
+                      help="memory of one GPU in GiB (default 80)")
     fit.set_defaults(func=_fit)
     show.set_defaults(func=_show_config)
+    plan.set_defaults(func=_plan)
     calib.set_defaults(func=_calibrate)
     bench = sub.add_parser("bench", help="run a benchmark; results go to docs/benchmarks/")
     bench.add_argument("name", choices=BENCHMARKS)

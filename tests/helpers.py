@@ -72,8 +72,7 @@ def float64_grpo_loss_fn(num_tokens):
     """GRPO against the engine's logprobs (so the ratio clips somewhere), in float64."""
     from spectrain.train.grpo import grpo_loss
 
-    def loss_fn(logits, part):
-        logprobs = torch.log_softmax(logits, -1).gather(-1, part.targets.clamp_min(0)[:, None]).squeeze(-1)
+    def loss_fn(logprobs, part):
         out = grpo_loss(logprobs, part.rollout_logprobs.double(), part.advantages.double(), part.response_mask,
                         0.2, num_tokens=num_tokens)
         return out.loss, logprobs

@@ -77,6 +77,14 @@ class _TokenLogprobs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None
 
 
+def dense_token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(targets[t] | logits[t]) in float32 (float64 for float64), 0 where the target is -1, from whole
+    `logits [T, V]`: the reference the chunked path equals, used where logits exist anyway (the SFT warm
+    start, a pipeline's last stage)."""
+    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    return logp.gather(-1, targets.clamp_min(0)[:, None]).squeeze(-1).masked_fill(targets < 0, 0.0)
+
+
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                    chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
     """log p(targets[t]) under the lm_head `weight`, `[T]` float32 (float64 for float64 inputs); 0 where targets is -1.

@@ -20,8 +20,8 @@ from torch import nn
 from spectrain.models.llama import CausalLMOutput, LlamaForCausalLM
 from spectrain.batch import RolloutBatch, concat_batches, micro_batches
 
-# (logits [T, V] of this rank's tokens, the matching batch part) -> (this part's share of the
-# global loss, logprobs of its targets)
+# (logprobs [T] of this rank's targets (float32, differentiable; computed from the lm_head in chunks, never as
+# [T, V] logits), the matching batch part) -> (this part's share of the global loss, the logprobs it used)
 PolicyLossFn = Callable[[torch.Tensor, RolloutBatch], tuple[torch.Tensor, torch.Tensor]]
 ShiftFn = Callable[[torch.Tensor, torch.Tensor, int, float], torch.Tensor]
 TapsFn = Callable[["DraftInputs"], None]  # consumes one micro-batch's taps (the draft's co-training)
@@ -37,10 +37,11 @@ class DraftInputs:
     batch: RolloutBatch  # this chunk's tokens, as the draft sees them (local shard under CP)
     embeds: torch.Tensor
     tap_hidden: list[torch.Tensor]
-    teacher_logits: torch.Tensor
+    teacher_logits: torch.Tensor  # [T, V] logits, or [T, Vd] logprobs over the draft vocabulary (with teacher_top1)
     attention_ops: object  # local ops, or the CP ring ops of this batch
     shift_fn: ShiftFn | None  # None: shift within documents; CP passes its boundary exchange
     num_valid_tokens: float  # global normaliser of the TTT loss (UNSET_NORMALISER from a plan: the consumer sets it)
+    teacher_top1: torch.Tensor | None = None  # [T] the policy's full-vocabulary argmax, when the teacher is restricted
 
 
 @dataclass
@@ -58,7 +59,8 @@ class TrainPlan(Protocol):
 
     def policy_forward_backward(self, policy: LlamaForCausalLM, batch: RolloutBatch, loss_fn: PolicyLossFn,
                                 tap_layers: tuple[int, ...], backward: Callable, on_taps: TapsFn | None = None,
-                                micro_batch_tokens: int | None = None) -> PolicyStepResult: ...
+                                micro_batch_tokens: int | None = None,
+                                teacher_t2d: torch.Tensor | None = None) -> PolicyStepResult: ...
 
     def reduce_gradients(self, module: nn.Module) -> None: ...
 
@@ -90,16 +92,23 @@ class TapCollector:
 
 
 def draft_inputs_from(out: CausalLMOutput, batch: RolloutBatch, ops, shift_fn, num_valid_tokens: float) -> DraftInputs:
-    return DraftInputs(batch, out.embeds.detach(), [h.detach() for h in out.tap_hidden], out.logits.detach(),
-                       ops, shift_fn, num_valid_tokens)
+    """The draft's inputs from one policy forward: its teacher restricted to the draft vocabulary when the forward
+    computed it (`teacher_t2d`), else its full logits."""
+    teacher, top1 = out.teacher if out.teacher is not None else (out.logits.detach(), None)
+    return DraftInputs(batch, out.embeds.detach(), [h.detach() for h in out.tap_hidden], teacher, ops, shift_fn,
+                       num_valid_tokens, top1)
 
 
 def micro_batch_step(policy: LlamaForCausalLM, mb: RolloutBatch, loss_fn: PolicyLossFn, tap_layers, backward,
-                     on_taps: TapsFn | None, ops, shift_fn: ShiftFn | None) -> tuple[torch.Tensor, torch.Tensor]:
+                     on_taps: TapsFn | None, ops, shift_fn: ShiftFn | None,
+                     teacher_t2d: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward, loss and backward of one micro-batch (`mb`: this rank's tokens of it), then its taps to `on_taps`;
-    its loss share and logprobs, detached. Its activations and logits are freed when it returns."""
-    out = policy(mb.input_ids, mb.position_ids, mb.cu_seqlens, tap_layers=tap_layers)
-    loss, logprobs = loss_fn(out.logits, mb)
+    its loss share and logprobs, detached. No [T, V] logits exist: the lm_head runs in chunks for the logprobs and,
+    with taps, for the teacher over the draft vocabulary `teacher_t2d` (`ops/chunked_logprobs.py`)."""
+    teacher = teacher_t2d if tap_layers else None
+    out = policy(mb.input_ids, mb.position_ids, mb.cu_seqlens, tap_layers=tap_layers,
+                 compute_logits=bool(tap_layers) and teacher is None, logprob_targets=mb.targets, teacher_t2d=teacher)
+    loss, logprobs = loss_fn(out.logprobs, mb)
     backward(loss)
     if tap_layers:
         assert on_taps is not None, "taps captured for nobody"
@@ -117,10 +126,10 @@ class LocalPlan:
         return obj
 
     def policy_forward_backward(self, policy, batch, loss_fn, tap_layers, backward, on_taps=None,
-                                micro_batch_tokens=None) -> PolicyStepResult:
+                                micro_batch_tokens=None, teacher_t2d=None) -> PolicyStepResult:
         parts = micro_batches(batch, micro_batch_tokens)
-        steps = [micro_batch_step(policy, mb, loss_fn, tap_layers, backward, on_taps, policy.attention_ops, None)
-                 for mb in parts]
+        steps = [micro_batch_step(policy, mb, loss_fn, tap_layers, backward, on_taps, policy.attention_ops, None,
+                                  teacher_t2d) for mb in parts]
         return PolicyStepResult(torch.stack([loss for loss, _ in steps]).sum(),
                                 torch.cat([lp for _, lp in steps]), concat_batches(parts, batch))
 

@@ -37,7 +37,7 @@ def chunk_loss(draft: Eagle3Draft, chunk: DraftInputs, ttt_passes: int, pass_dec
                    ops=chunk.attention_ops, shift_fn=chunk.shift_fn, normed_hidden=True)
     return ttt_loss(hidden, chunk.teacher_logits, b.response_mask, b.cu_seqlens, draft.t2d, pass_decay,
                     num_valid_tokens=chunk.num_valid_tokens, shift_fn=chunk.shift_fn,
-                    lm_head=draft.lm_head.weight, loss_kernel=loss_kernel)
+                    lm_head=draft.lm_head.weight, loss_kernel=loss_kernel, teacher_top1=chunk.teacher_top1)
 
 
 def add_metrics(a: TTTMetrics | None, b: TTTMetrics) -> TTTMetrics:

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from spectrain.ops.chunked_logprobs import dense_token_logprobs as token_logprobs  # noqa: F401 (the dense path)
+
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
     """`A = (r - mean_group) / (std_group + eps)` for rewards laid out group by group.
@@ -20,10 +22,6 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) 
     return ((groups - mean) / (std + eps)).view(-1).to(rewards.dtype)
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log p(targets[t] | logits[t]) in float32; `logits [T, V]`, `targets [T]`."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return logp.gather(-1, targets.clamp_min(0)[:, None]).squeeze(-1)
 
 
 @dataclass

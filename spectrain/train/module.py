@@ -23,11 +23,11 @@ from typing_extensions import override
 
 from spectrain.config import SpecTrainConfig
 from spectrain.errors import NonFiniteError
-from spectrain.models.llama import LlamaForCausalLM
+from spectrain.models.llama import LlamaForCausalLM, apply_activation_checkpointing
 from spectrain.parallel.fsdp import shard_optimizer_state
 from spectrain.parallel.plan import DraftInputs, LocalPlan, TrainPlan, ttt_valid_tokens
 from spectrain.batch import RolloutBatch, build_rollout_batch
-from spectrain.train.grpo import group_advantages, grpo_loss, minibatch_documents, token_logprobs
+from spectrain.train.grpo import group_advantages, grpo_loss, minibatch_documents
 from spectrain.rollout.engine import Completion, LoadStats, RolloutEngine, SamplingConfig, SpecDecodeCounters
 from spectrain.rollout.speculation.controllers import uses_step_loop
 from spectrain.rollout.speculation.long_tail import LongTailPolicy, LongTailTrainer
@@ -73,6 +73,7 @@ class GRPOModule(L.LightningModule):
                  engine: RolloutEngine | None = None) -> None:
         super().__init__()
         self.config = config
+        apply_activation_checkpointing(policy, config.policy.activation_checkpointing)
         self.policy = policy
         self.draft = draft
         self.tokenizer = tokenizer
@@ -353,8 +354,7 @@ class GRPOModule(L.LightningModule):
         num_tokens = part.num_response_tokens  # global: every rank holds the whole rollout
         shares = {"clip_fraction": torch.tensor(0.0), "kl": torch.tensor(0.0)}  # summed over this rank's chunks
 
-        def loss_fn(logits: torch.Tensor, local: RolloutBatch):
-            logprobs = token_logprobs(logits, local.targets)
+        def loss_fn(logprobs: torch.Tensor, local: RolloutBatch):
             ref = self.reference_logprobs(local) if g.kl_beta > 0 else None
             out = grpo_loss(logprobs, local.rollout_logprobs, local.advantages, local.response_mask, g.clip_eps,
                             ref_logprobs=ref, kl_beta=g.kl_beta, num_tokens=num_tokens)
@@ -366,7 +366,7 @@ class GRPOModule(L.LightningModule):
         opt.zero_grad(set_to_none=True)
         capture = self.tap_layers if on_taps is not None else ()
         result = self.plan.policy_forward_backward(self.policy, part, loss_fn, capture, self.manual_backward, on_taps,
-                                                   g.micro_batch_tokens)
+                                                   g.micro_batch_tokens, self.draft.t2d if capture else None)
         self.plan.reduce_gradients(self.policy)
         grad_norm = self.plan.clip_grad_norm(self.policy, g.grad_clip)
         self.check_finite_update(float(result.loss), float(grad_norm), index, count)
@@ -393,5 +393,5 @@ class GRPOModule(L.LightningModule):
     @torch.no_grad()
     def reference_logprobs(self, part: RolloutBatch) -> torch.Tensor:
         """Logprobs of `part`'s targets under the frozen warm-start policy (whole documents: cp=pp=1)."""
-        logits = self.reference(part.input_ids, part.position_ids, part.cu_seqlens).logits
-        return token_logprobs(logits, part.targets)
+        return self.reference(part.input_ids, part.position_ids, part.cu_seqlens, compute_logits=False,
+                              logprob_targets=part.targets).logprobs

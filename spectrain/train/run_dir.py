@@ -79,11 +79,11 @@ class RunDir:
         marker.write_text(json.dumps({"created": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2))
         (self.path / "config.yaml").write_text(to_yaml(self.config))
 
-    # a resume may train longer, report differently, run from a moved directory or give the engine another
-    # KV cache (a start that failed for memory), not change what it trains
+    # a resume may train longer, report differently, run from a moved directory or trade memory for time (the
+    # engine's KV cache, micro-batches, activation checkpointing: the same step to rounding), not change what it trains
     RESUME_FREE_KEYS = ("trainer.max_steps", "trainer.progress_bar", "trainer.resume", "trainer.log_every_n_steps",
                         "trainer.checkpoint_every_n_steps", "trainer.run_dir", "trainer.warmstart_dir",
-                        "rollout.kv_cache_gib")
+                        "rollout.kv_cache_gib", "grpo.micro_batch_tokens", "policy.activation_checkpointing")
 
     def _check_same_config(self) -> None:
         differences = self._config_differences()

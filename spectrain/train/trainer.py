@@ -27,6 +27,7 @@ from spectrain.machine import resolve_device
 from spectrain.models.hf_io import save_pretrained
 from spectrain.models.llama import LlamaForCausalLM
 from spectrain.train import inputs
+from spectrain.train.memory_plan import check_memory_plan
 from spectrain.train.module import GRPOModule
 from spectrain.train.run_dir import RunDir, check_writable, drop_logged_steps
 from spectrain.parallel.fsdp import unsharded_copy
@@ -309,6 +310,7 @@ class SpecTrainer:
         self.check_lengths()
         self._check_logger()
         self._check_engine_inputs(pretrained)
+        check_memory_plan(self.config)  # on CUDA: a plan that does not fit the GPU stops here, naming the keys
         self.check_warmstart_cache()
         inputs.attention_backend(self.config)  # a kernel this device cannot run fails now, not at the first step
         inputs.check_draft_loss_kernel(self.config)

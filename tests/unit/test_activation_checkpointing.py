@@ -30,8 +30,8 @@ def step(model, b, checkpointed: bool):
     """GRPO loss over a packed multi-document batch with the draft's taps captured: loss, taps, gradients."""
     apply_activation_checkpointing(model, checkpointed)
     model.zero_grad(set_to_none=True)
-    out = model(b.input_ids, b.position_ids, b.cu_seqlens, tap_layers=TAPS)
-    loss, _ = float64_grpo_loss_fn(b.num_response_tokens)(out.logits, b)
+    out = model(b.input_ids, b.position_ids, b.cu_seqlens, tap_layers=TAPS, logprob_targets=b.targets)
+    loss, _ = float64_grpo_loss_fn(b.num_response_tokens)(out.logprobs, b)
     loss.backward()
     return loss.detach(), out, {n: p.grad for n, p in model.named_parameters()}
 

@@ -118,7 +118,7 @@ class ContextParallelPlan:
         return shard_batch(part, layout, policy.cfg.pad_token_id), layout
 
     def policy_forward_backward(self, policy, batch, loss_fn, tap_layers, backward, on_taps=None,
-                                micro_batch_tokens=None) -> PolicyStepResult:
+                                micro_batch_tokens=None, teacher_t2d=None) -> PolicyStepResult:
         """This rank's dp slice in micro-batches of whole documents, each zigzag-sharded: the cp ranks of a group
         cut the same documents, so their rings line up; `micro_batch_tokens` is per rank (a micro-batch holds up
         to `cp` times as many tokens)."""
@@ -131,7 +131,7 @@ class ContextParallelPlan:
             local_ops, policy.attention_ops = policy.attention_ops, ops  # autograd keeps `ops` for the backward
             try:
                 loss, lp = micro_batch_step(policy, local, loss_fn, tap_layers, backward, on_taps, ops,
-                                            zigzag_shift_fn(layout, self.cp_group))
+                                            zigzag_shift_fn(layout, self.cp_group), teacher_t2d)
             finally:
                 policy.attention_ops = local_ops
             losses.append(loss)

@@ -55,6 +55,7 @@ from spectrain.parallel.plan import (
     UNSET_NORMALISER,
     draft_inputs_from,
 )
+from spectrain.ops.chunked_logprobs import dense_token_logprobs
 from spectrain.parallel.cp.ring import ZigzagRingAttentionOps
 from spectrain.parallel.pp.tap_channel import TapChannel, new_tap_group
 from spectrain.parallel.cp.zigzag import ZigzagLayout
@@ -222,17 +223,19 @@ class PipelinePlan:
         return self._runners[key]
 
     def _microbatch_loss(self, out: CausalLMOutput, mb: RolloutBatch) -> torch.Tensor:
-        loss, logprobs = self._loss_fn(out.logits, mb)
+        loss, logprobs = self._loss_fn(dense_token_logprobs(out.logits, mb.targets), mb)
         self._outputs.append((out, mb, logprobs.detach()))
         return loss
 
     def policy_forward_backward(self, policy, batch, loss_fn, tap_layers, backward, on_taps=None,
-                                micro_batch_tokens=None) -> PolicyStepResult:
+                                micro_batch_tokens=None, teacher_t2d=None) -> PolicyStepResult:
         """The pipelined forward and backward of this rank's part of `batch`.
 
         Without `micro_batch_tokens` the part runs as one schedule of `n_microbatches` microbatches;
         with it, in rounds of `n_microbatches` microbatches of at most that many tokens each
-        (`pipeline_rounds`). Each round's taps go to `on_taps` (on the last stage) when it ends.
+        (`pipeline_rounds`). Each round's taps go to `on_taps` (on the last stage) when it ends. The last
+        stage still computes each microbatch's [T, V] logits (its lm_head is a stage module): the logprobs
+        and the teacher come from them, and `teacher_t2d` is not used.
         `backward` is not used: the schedule runs each microbatch's backward itself (so
         Lightning's precision scaling does not apply; fine for fp32 and bf16-true).
         """

@@ -1,0 +1,303 @@
+"""`spectrain plan` and `check_memory_plan`: the arithmetic by hand, the formulas against the tensors autograd
+really saves, the shipped 8-GPU recipes against 8 x 80 GiB from config.json alone, and the keys named when a plan
+does not fit."""
+import json
+import re
+import shutil
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from spectrain.cli import main
+from spectrain.config import ConfigError, load_config
+from spectrain.models.eagle3 import Eagle3Config, Eagle3Draft, ttt_loss
+from spectrain.models.llama import DecoderLayer, LlamaConfig, LlamaForCausalLM, rope_cos_sin
+from spectrain.ops.attention import LocalAttentionOps
+from spectrain.train import memory_plan as mp
+
+GIB = 1 << 30
+CONFIGS = Path(__file__).parents[1] / "fixtures" / "hf_configs"  # real config.json files, no weights
+CHECKPOINTS = {"qwen3_gsm8k": "Qwen3-8B", "llama3_math": "Llama-3.1-8B-Instruct"}
+DATA = ["data.train_files=unused/train.jsonl", "data.val_files=unused/val.jsonl"]
+# the three precisions: float32; bf16 autocast over float32 weights; bf16 weights (FSDP's gathered units) + autocast
+REGIMES = [(torch.float32, False, mp.Precision(4, 4)), (torch.float32, True, mp.Precision(4, 2)),
+           (torch.bfloat16, True, mp.Precision(2, 2))]
+TOKENS = 40  # a token count no weight dimension shares, so saved activations and weights never coincide
+
+
+def config_only(tmp_path: Path, name: str) -> Path:
+    """A directory holding nothing but a checkpoint's config.json."""
+    (tmp_path / name).mkdir()
+    shutil.copy(CONFIGS / name / "config.json", tmp_path / name / "config.json")
+    return tmp_path / name
+
+
+def run_plan(capsys, *argv) -> tuple[int, str]:
+    code = main(["plan", *argv])
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def total_gib(output: str) -> float:
+    return float(re.search(r"^\s+total\s+([\d.]+)$", output, re.M).group(1))
+
+
+# ---------------------------------------------------------------- the arithmetic by hand
+
+TINY_HF = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
+           "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "vocab_size": 1000, "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+           "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16"}
+
+
+def tiny_plan(tmp_path, *overrides, gpu=GIB):
+    (tmp_path / "config.json").write_text(json.dumps(TINY_HF))
+    config = load_config("tiny_cpu", [f"policy.path={tmp_path}", "policy.dtype=bfloat16", "parallel.dp=2",
+                                      "parallel.fsdp=true", "grpo.kl_beta=0.1", "grpo.minibatches=1",
+                                      "rollout.prompts_per_step=4", "rollout.group_size=2",
+                                      "draft.draft_vocab_size=100", *overrides])
+    return mp.plan_config(config, gpu)
+
+
+def test_plan_matches_the_hand_computed_numbers(tmp_path):
+    """H=64, I=96, Q=4x16=64, K=2x16=32, V=1000, L=4, Vd=100, bf16 under FSDP (r=c=2) over S=2 ranks, untied."""
+    plan = tiny_plan(tmp_path)
+    layer = 64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 96 + 2 * 64  # q,k,v + o + SwiGLU + 2 norms = 30848
+    root = 1000 * 64 + 64 + 64 * 1000  # embedding + final norm + lm_head = 128064
+    p = 4 * layer + root  # 251456
+    assert (plan.parameters, plan.gradients, plan.optimizer) == (4 * p // 2, 4 * p // 2, 8 * p // 2)
+    assert plan.reference == 4 * p // 2  # grpo.kl_beta > 0: a frozen float32 copy, sharded
+    # gathered in bf16: root + 2 layers, one layer's grads, and the reference's root + 2 layers
+    assert plan.gathered == 2 * (root + 2 * layer) + 2 * layer + 2 * (root + 2 * layer)
+    # the draft: fc 3H -> H, q/k/v from 2H, o, SwiGLU, 4 norms, lm_head to Vd = 57856 parameters
+    draft = 3 * 64 * 64 + 2 * 64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 96 + 4 * 64 + 64 * 100
+    assert plan.draft == 16 * draft // 2  # co-trained: weights, gradients, 2 moments, over 2 shards
+
+    # tokens: 4 prompts x 2 samples / 1 minibatch / dp 2 = 4 documents of (128 - 24) prompt + 24 answer tokens
+    t = 4 * (104 + 24)
+    assert plan.inputs.tokens == t == 512
+    # per token and layer (r = c = a = 2): 2 norms ((4+2) 64 + 4 each), q/k/v and gate/up inputs (2 x 2 x 64),
+    # attention (2 (2x64 + 2x32) + 4 x 4 heads), SwiGLU (4 x 2 x 96)
+    per_layer = 2 * (6 * 64 + 4) + 2 * 2 * 64 + 2 * (2 * 64 + 2 * 32) + 4 * 4 + 4 * 2 * 96
+    assert per_layer == 2200
+    outside = 8 + 2 * 16 * 2 + (6 * 64 + 4) + 2 * 64 + 4  # input id, rotary tables, final norm, lm_head input, lse
+    assert plan.activations == plan.activations_full == t * ((4 + 1) * per_layer + outside)
+    assert plan.activations_checkpointed == t * (4 * 2 * 64 + 2 * per_layer + outside)
+    assert plan.logits == 512 * 1000 * 8 + 1000 * 64 * 4  # fewer tokens than a 4096-token chunk; lm_head grad
+    assert plan.draft_inputs == t * ((3 + 1) * 64 * 2 + 100 * 4 + 8)  # 3 taps + embedding (bf16), teacher, top-1
+    assert plan.draft_update == 0  # 3 passes need less than the policy backward freed
+    assert plan.engine == int(0.6 * GIB) and plan.reserved == 2 * GIB
+    assert plan.total == sum(getattr(plan, name) for name in mp.ITEMS) and not plan.fits
+
+    # 12 TTT passes need more than the policy freed: the excess is counted
+    deep = tiny_plan(tmp_path, "draft.ttt_passes=12")
+    draft_pass = 2 * 64 + 3 * (6 * 64 + 4) + 2 * 128 + 2 * 64 + 2 * (2 * 64 + 2 * 32) + 16 + 4 * 2 * 96 + 2 * 16 * 2
+    unroll = 2 * 3 * 64 + 12 * (draft_pass + 2 * 64 + 17)  # fc input, passes with the loss's saved rows
+    draft_phase = t * (unroll + draft_pass) + 2 * 2 * draft  # + one pass of gradients, + the gathered draft
+    freed = plan.activations + plan.logits + plan.gathered
+    assert deep.draft_update == draft_phase - freed > 0
+
+
+def test_unsharded_bf16_plan_replicates_the_state_and_caches_bf16_weights(tmp_path):
+    plan = tiny_plan(tmp_path, "parallel.fsdp=false")
+    p = 4 * 30848 + 128064  # the parameters above
+    assert (plan.parameters, plan.optimizer, plan.reference) == (4 * p, 8 * p, 4 * p)  # every rank holds all
+    assert plan.gathered == 2 * p  # autocast's bf16 copy of every trainable weight
+    assert plan.inputs.precision == mp.Precision(residual=4, compute=2)  # the residual stream stays float32
+
+
+def test_the_logits_chunk_is_the_chunked_log_softmax_default():
+    from spectrain.ops.chunked_logprobs import DEFAULT_CHUNK_TOKENS
+
+    assert mp.LOGITS_CHUNK_TOKENS == DEFAULT_CHUNK_TOKENS == 4096
+
+
+def test_micro_batch_tokens_keep_whole_documents(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY_HF))
+    base = ["policy.path=" + str(tmp_path), "rollout.prompts_per_step=4", "rollout.group_size=2", "parallel.dp=2",
+            "grpo.minibatches=1"]
+    tokens = {cap: mp.micro_batch_tokens(load_config("tiny_cpu", [*base, f"grpo.micro_batch_tokens={cap}"]))
+              for cap in ("null", 100, 300, 10000)}
+    assert tokens == {"null": 4 * 128, 100: 128, 300: 300, 10000: 4 * 128}  # at least a document, at most the minibatch
+    cp = load_config("tiny_cpu", [*base, "parallel.cp=2", "grpo.micro_batch_tokens=null"])
+    assert mp.micro_batch_tokens(cp) == 4 * 128 // 2
+
+
+# ---------------------------------------------------------------- the formulas against autograd
+
+def saved_bytes(fn, parameters) -> int:
+    """Bytes of the distinct storages autograd saves for the backward while `fn` runs, weights (and their casts)
+    left out."""
+    numels = {p.numel() for p in parameters}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = (storage.nbytes(), t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(n for n, size in seen.values() if n // size not in numels)
+
+
+def packed_batch():
+    return torch.cat([torch.arange(17), torch.arange(23)]), torch.tensor([0, 17, TOKENS], dtype=torch.int32)
+
+
+def policy_config(qk_norm: bool) -> LlamaConfig:
+    return LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, qk_norm=qk_norm)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3"])
+@pytest.mark.parametrize("dtype, autocast, precision", REGIMES, ids=["float32", "bf16-autocast", "bf16-weights"])
+def test_layer_formula_is_what_autograd_saves(qk_norm, dtype, autocast, precision):
+    cfg = policy_config(qk_norm)
+    layer = DecoderLayer(cfg).to(dtype)
+    x = torch.randn(TOKENS, 64, dtype=dtype, requires_grad=True)
+    positions, cu = packed_batch()
+    cos, sin = rope_cos_sin(positions, 16, 10000.0, dtype)  # shared by all layers: the outside term counts them
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        measured = saved_bytes(lambda: layer(x, cos, sin, cu, LocalAttentionOps()), layer.parameters())
+    shared = cos.nbytes + sin.nbytes + cu.nbytes
+    assert measured - shared == TOKENS * mp.layer_activation_bytes(cfg, precision)
+
+
+@pytest.mark.parametrize("dtype, autocast, precision", REGIMES, ids=["float32", "bf16-autocast", "bf16-weights"])
+def test_model_formula_is_what_autograd_saves(dtype, autocast, precision):
+    cfg = policy_config(qk_norm=True)
+    model = LlamaForCausalLM(cfg).to(dtype)
+    positions, cu = packed_batch()
+    ids, targets = torch.randint(0, 100, (TOKENS,)), torch.randint(0, 100, (TOKENS,))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # the logprobs the loss reads, chunked
+        measured = saved_bytes(lambda: model(ids, positions, cu, compute_logits=False, logprob_targets=targets,
+                                             chunk_tokens=16), model.parameters())
+    per_token = 3 * mp.layer_activation_bytes(cfg, precision) + mp.outside_activation_bytes(cfg, precision)
+    assert measured - cu.nbytes - targets.nbytes == TOKENS * per_token  # the batch's own tensors left out
+
+
+@pytest.mark.parametrize("passes", [1, 3])
+@pytest.mark.parametrize("dtype, autocast, precision", REGIMES, ids=["float32", "bf16-autocast", "bf16-weights"])
+def test_draft_formula_is_what_autograd_saves(passes, dtype, autocast, precision):
+    d = Eagle3Config.from_policy(policy_config(qk_norm=False), draft_vocab_size=50)
+    draft = Eagle3Draft(d).to(dtype)
+    embeds, taps = torch.randn(TOKENS, 64, dtype=dtype), [torch.randn(TOKENS, 64, dtype=dtype) for _ in range(3)]
+    teacher, mask = torch.randn(TOKENS, 100, dtype=dtype), torch.ones(TOKENS)
+    positions, cu = packed_batch()
+
+    def update():
+        hidden = draft(embeds, taps, positions, cu, passes, normed_hidden=True)
+        ttt_loss(hidden, teacher, mask, cu, draft.t2d, lm_head=draft.lm_head.weight, loss_kernel="chunked")
+
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        measured = saved_bytes(update, [*draft.parameters(), teacher[:, :50]])  # the teacher is the draft inputs' row
+    assert 0 <= measured - TOKENS * mp.draft_unroll_bytes(d, precision, passes) <= 64  # + cu_seqlens and the like
+
+
+@pytest.mark.parametrize("cfg", [
+    LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, qk_norm=True),
+    LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=1, tie_word_embeddings=True, attention_bias=True, o_proj_bias=True),
+], ids=["qwen3", "tied-with-biases"])
+def test_parameter_counts_are_the_modules(cfg):
+    assert mp.policy_parameters(cfg) == sum(p.numel() for p in LlamaForCausalLM(cfg).parameters())
+    d = Eagle3Config.from_policy(cfg, draft_vocab_size=120, tap_layers=(0, 1))
+    assert mp.draft_parameters(d) == sum(p.numel() for p in Eagle3Draft(d).parameters())
+
+
+def test_pipeline_shares_put_the_remainder_first():
+    shares = mp.pipeline_shares(10, 4, 1)
+    assert [s.layers for s in shares] == [3, 3, 2, 2]
+    assert [(s.embedding, s.head, s.engine) for s in shares] == [(True, False, True), (False, False, False),
+                                                                 (False, False, False), (False, True, False)]
+    interleaved = mp.pipeline_shares(10, 2, 2)  # stages of 3, 3, 2, 2 layers: rank 0 runs stages 0 and 2
+    assert [s.layers for s in interleaved] == [5, 5] and interleaved[1].head
+
+
+# ---------------------------------------------------------------- the shipped recipes from config.json alone
+
+@pytest.mark.parametrize("recipe", sorted(CHECKPOINTS))
+def test_shipped_recipe_fits_8_x_80_gib(recipe, tmp_path, capsys):
+    code, out = run_plan(capsys, recipe, f"policy.path={config_only(tmp_path, CHECKPOINTS[recipe])}")
+    assert code == 0, out
+    assert total_gib(out) < 80 and "verdict: fits" in out
+    assert "FSDP over 8 ranks" in out and "checkpointed: 8192 tokens" in out
+
+
+@pytest.mark.parametrize("recipe", sorted(CHECKPOINTS))
+def test_a_16_gib_gpu_is_refused_with_the_keys_to_change(recipe, tmp_path, capsys):
+    code, out = run_plan(capsys, recipe, f"policy.path={config_only(tmp_path, CHECKPOINTS[recipe])}",
+                         "--gpu-memory", "16")
+    assert code == 1, out
+    verdict = out.splitlines()[-1]
+    assert verdict.startswith("verdict: does not fit"), verdict
+    assert "Setting grpo.micro_batch_tokens=" in verdict and "raise parallel.dp" in verdict, verdict
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["policy.activation_checkpointing=false", "grpo.micro_batch_tokens=null", "rollout.gpu_memory_utilization=0.6"],
+     {"policy.activation_checkpointing", "grpo.micro_batch_tokens"}),  # the recipe without its memory keys
+    (["parallel.fsdp=false"], {"parallel.fsdp"}),
+    (["parallel.fsdp=false", "parallel.dp=4", "parallel.pp=2", "grpo.kl_beta=0"], {"parallel.pp"}),
+], ids=["checkpointing-and-micro-batch", "fsdp", "more-stages"])
+def test_suggested_keys_make_the_plan_fit(overrides, named, tmp_path, capsys):
+    """The planner names the keys, with values, and with them the same command fits, at the total it said."""
+    policy = f"policy.path={config_only(tmp_path, CHECKPOINTS['qwen3_gsm8k'])}"
+    code, out = run_plan(capsys, "qwen3_gsm8k", policy, *overrides)
+    assert code == 1
+    fix = re.search(r"To fit, set (.*) \(plans to ([\d.]+) GiB\)", out)
+    assert fix, out
+    keys = fix.group(1).split()
+    assert {k.split("=")[0] for k in keys} >= named
+    code, out = run_plan(capsys, "qwen3_gsm8k", policy, *overrides, *keys)
+    assert code == 0 and total_gib(out) == float(fix.group(2)), out
+
+
+def test_plan_needs_no_weights_and_no_prompt_files(tmp_path, capsys):
+    code, out = run_plan(capsys, "qwen3_gsm8k")
+    assert code == 2 and "['policy.path']" in out, out  # the prompt files are not asked for: the plan never reads them
+    code, out = run_plan(capsys, "qwen3_gsm8k", f"policy.path={tmp_path / 'absent'}")
+    assert code == 2 and "policy.path" in out and "config.json" in out, out
+
+
+def test_tiny_cpu_plans_without_a_checkpoint(capsys):
+    code, out = run_plan(capsys, "tiny_cpu")
+    assert code == 0, out
+    assert "vocab 83" in out and "replicated (no FSDP)" in out  # the toy policy over the character tokenizer
+
+
+# ---------------------------------------------------------------- the start-up check
+
+def fake_gpu(monkeypatch, gib: float) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: types.SimpleNamespace(name="Fake GPU", total_memory=int(gib * GIB)))
+
+
+def qwen3(tmp_path, *overrides):
+    return load_config("qwen3_gsm8k", [f"policy.path={config_only(tmp_path, 'Qwen3-8B')}", *DATA, *overrides])
+
+
+def test_check_memory_plan_names_the_key_when_the_gpu_is_too_small(tmp_path, monkeypatch):
+    fake_gpu(monkeypatch, 70)
+    config = qwen3(tmp_path)
+    with pytest.raises(ConfigError, match=r"Fake GPU \(70.00 GiB\).*set rollout\.gpu_memory_utilization=0\.\d+") as err:
+        mp.check_memory_plan(config)
+    value = re.search(r"rollout\.gpu_memory_utilization=(0\.\d+)", str(err.value)).group(1)
+    mp.check_memory_plan(load_config("qwen3_gsm8k", [f"policy.path={config.policy.path}", *DATA,
+                                                     f"rollout.gpu_memory_utilization={value}"]))  # the fix fits
+
+
+def test_check_memory_plan_passes_a_plan_that_fits_and_skips_cpu(tmp_path, monkeypatch):
+    fake_gpu(monkeypatch, 80)
+    config = qwen3(tmp_path)
+    mp.check_memory_plan(config)
+    fake_gpu(monkeypatch, 1)  # nothing to plan off CUDA: a CPU run, or no GPU at all
+    mp.check_memory_plan(load_config("qwen3_gsm8k", [f"policy.path={config.policy.path}", *DATA,
+                                                     "trainer.accelerator=cpu"]))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    mp.check_memory_plan(config)
