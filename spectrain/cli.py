@@ -20,7 +20,7 @@ from pathlib import Path
 from spectrain.config import DEFAULT_RECIPE, load_config, to_yaml
 from spectrain.errors import ConfigError, InputWarning, SpecTrainError
 
-BENCHMARKS = ("drift", "draft_optimizer", "cp", "pp", "adaptive", "kernels")
+BENCHMARKS = ("drift", "draft_optimizer", "cp", "pp", "adaptive", "kernels", "memory")
 ERROR_FILE_ENV = "SPECTRAIN_ERROR_FILE"  # set for the ranks by a relaunching `spectrain fit`: they report to it
 
 

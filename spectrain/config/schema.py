@@ -24,6 +24,9 @@ class PolicyConfig:
     dtype: str = "float32"  # float32 | bfloat16 (bf16 mixed precision: float32 master weights and optimizer state)
     attention_backend: str = "auto"  # auto | torch | varlen | flex | triton | flash_attn | te (docs/gpu.md)
     activation_checkpointing: bool = False  # recompute each decoder layer in the backward (non-reentrant)
+    # logprobs and the draft's teacher from the lm_head this many tokens at a time (no [T, V] logits);
+    # null: whole logits (fine for small vocabularies)
+    logprob_chunk_tokens: int | None = 4096
     # the toy policy's architecture (ignored with `path`: the checkpoint's config.json decides)
     hidden_size: int = 128
     intermediate_size: int = 384

@@ -163,6 +163,9 @@ def _check_rollout(c: SpecTrainConfig) -> None:
 
 def _check_micro_batches(c: SpecTrainConfig) -> None:
     """A document is never split across micro-batches; a pipeline's microbatches must each hold the longest."""
+    chunk = c.policy.logprob_chunk_tokens
+    _require(chunk is None or chunk >= 1, "policy.logprob_chunk_tokens", f"is {chunk}; give a token count >= 1 "
+             f"(e.g. 4096), or null for whole [T, V] logits")
     tokens, par, r = c.grpo.micro_batch_tokens, c.parallel, c.rollout
     if tokens is None:
         return

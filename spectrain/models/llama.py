@@ -18,7 +18,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from spectrain.ops.attention import LocalAttentionOps, varlen_attention
-from spectrain.ops.chunked_logprobs import DEFAULT_CHUNK_TOKENS, teacher_on_draft_vocab, token_logprobs
+from spectrain.ops.chunked_logprobs import (DEFAULT_CHUNK_TOKENS, dense_token_logprobs, teacher_on_draft_vocab,
+                                            token_logprobs)
 
 
 # model_type -> the HF architecture this module implements for it
@@ -263,6 +264,9 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.attention_ops = LocalAttentionOps()
+        # rows of logits the lm_head computes at a time for logprobs and the teacher (`policy.logprob_chunk_tokens`);
+        # None: whole [T, V] logits, the dense path (small vocabularies: the toy's, bit for bit as before)
+        self.logprob_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -280,12 +284,12 @@ class LlamaForCausalLM(nn.Module):
         compute_logits: bool = True,
         logprob_targets: torch.Tensor | None = None,
         teacher_t2d: torch.Tensor | None = None,
-        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     ) -> CausalLMOutput:
-        """Logits `[T, V]` unless `compute_logits` is False. Without them (`ops.chunked_logprobs`, `chunk_tokens`
-        rows of logits at a time, inside the forward so that FSDP has the lm_head gathered): the logprobs of
-        `logprob_targets` (int64 `[T]`, -1 for none; differentiable) and the draft's teacher over `teacher_t2d`
-        (bool `[V]`, the draft vocabulary; no gradient)."""
+        """Logits `[T, V]` unless `compute_logits` is False. Without them (`ops.chunked_logprobs`,
+        `logprob_chunk_tokens` rows of logits at a time, inside the forward so that FSDP has the lm_head
+        gathered): the logprobs of `logprob_targets` (int64 `[T]`, -1 for none; differentiable) and the draft's
+        teacher over `teacher_t2d` (bool `[V]`, the draft vocabulary; no gradient). With
+        `logprob_chunk_tokens=None` the logprobs come from whole logits and the teacher is the logits."""
         assert input_ids.dim() == 1 and input_ids.shape == position_ids.shape, (
             f"packed input_ids/position_ids must be 1-D and equal: {input_ids.shape} vs {position_ids.shape}"
         )
@@ -300,10 +304,15 @@ class LlamaForCausalLM(nn.Module):
                 captured[int(idx)] = x
             x = layer(x, cos, sin, cu_seqlens, self.attention_ops)
         hidden = self.model.norm(x)
-        logits = self.lm_head(hidden) if compute_logits else None
-        weight = self.lm_head.weight
-        logprobs = None if logprob_targets is None else token_logprobs(hidden, weight, logprob_targets, chunk_tokens)
-        teacher = None if teacher_t2d is None else teacher_on_draft_vocab(hidden, weight, teacher_t2d, chunk_tokens)
+        chunk, weight = self.logprob_chunk_tokens, self.lm_head.weight
+        if chunk is None:  # the dense path
+            logits = self.lm_head(hidden)
+            logprobs = None if logprob_targets is None else dense_token_logprobs(logits, logprob_targets)
+            teacher = None
+        else:
+            logits = self.lm_head(hidden) if compute_logits else None
+            logprobs = None if logprob_targets is None else token_logprobs(hidden, weight, logprob_targets, chunk)
+            teacher = None if teacher_t2d is None else teacher_on_draft_vocab(hidden, weight, teacher_t2d, chunk)
         missing = set(tap_layers) - set(captured)
         if missing:
             raise ValueError(

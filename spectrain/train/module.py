@@ -74,6 +74,7 @@ class GRPOModule(L.LightningModule):
         super().__init__()
         self.config = config
         apply_activation_checkpointing(policy, config.policy.activation_checkpointing)
+        policy.logprob_chunk_tokens = config.policy.logprob_chunk_tokens
         self.policy = policy
         self.draft = draft
         self.tokenizer = tokenizer

@@ -100,7 +100,7 @@ def sft_enabled(config) -> bool:
     return config.policy.path is None if config.sft.enabled is None else config.sft.enabled
 
 
-RUNTIME_POLICY_KEYS = ("attention_backend", "activation_checkpointing")  # how the policy runs, not what the warm
+RUNTIME_POLICY_KEYS = ("attention_backend", "activation_checkpointing", "logprob_chunk_tokens")  # how the policy runs, not what the warm
 # start trains: the SFT runs on the default torch ops without checkpointing, and backends agree to rounding
 
 

@@ -223,7 +223,8 @@ def _reference_worker(rank, world):
     with torch.no_grad():
         logits = unsharded(*args).logits
         dense = torch.log_softmax(logits, -1).gather(-1, batch.targets.clamp_min(0)[:, None]).squeeze(-1)
-        got = models.reference(*args, compute_logits=False, logprob_targets=batch.targets, chunk_tokens=7).logprobs
+        models.reference.logprob_chunk_tokens = 7
+        got = models.reference(*args, compute_logits=False, logprob_targets=batch.targets).logprobs
         got_dense = models.reference(*args).logits
     params = list(models.reference.parameters())
     return dict(want=torch.where(batch.targets >= 0, dense, 0.0), got=got, logits=logits, got_logits=got_dense,

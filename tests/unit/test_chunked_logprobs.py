@@ -148,7 +148,8 @@ def test_the_policy_forward_gives_logprobs_and_teacher_without_logits():
     dense = policy(*args)
     want = dense_logprobs(dense.hidden, policy.lm_head.weight, batch.targets)
     want_grads = torch.autograd.grad(want.sum(), params)
-    out = policy(*args, compute_logits=False, logprob_targets=batch.targets, teacher_t2d=t2d, chunk_tokens=4)
+    policy.logprob_chunk_tokens = 4
+    out = policy(*args, compute_logits=False, logprob_targets=batch.targets, teacher_t2d=t2d)
     assert out.logits is None
     torch.testing.assert_close(out.logprobs, want, **TOL64)
     for g, w in zip(torch.autograd.grad(out.logprobs.sum(), params), want_grads):

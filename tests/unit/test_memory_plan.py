@@ -173,8 +173,9 @@ def test_model_formula_is_what_autograd_saves(dtype, autocast, precision):
     positions, cu = packed_batch()
     ids, targets = torch.randint(0, 100, (TOKENS,)), torch.randint(0, 100, (TOKENS,))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # the logprobs the loss reads, chunked
-        measured = saved_bytes(lambda: model(ids, positions, cu, compute_logits=False, logprob_targets=targets,
-                                             chunk_tokens=16), model.parameters())
+        model.logprob_chunk_tokens = 16
+        measured = saved_bytes(lambda: model(ids, positions, cu, compute_logits=False, logprob_targets=targets),
+                               model.parameters())
     per_token = 3 * mp.layer_activation_bytes(cfg, precision) + mp.outside_activation_bytes(cfg, precision)
     assert measured - cu.nbytes - targets.nbytes == TOKENS * per_token  # the batch's own tensors left out
 
