@@ -1,30 +1,32 @@
 """`spectrain bench memory`: the peak memory of one GRPO training step as the rollout grows, and the planner's estimate.
 
 One step as `GRPOModule` runs it with `grpo.minibatches=1`: the policy forward and backward over the update's
-micro-batches (`LocalPlan.policy_forward_backward` with the draft's taps, the teacher over the draft vocabulary,
-each micro-batch's taps backpropagated at once through `DraftGradients`), the gradient clip and the policy's
-AdamW step, then the draft's clip and step. The rollout is synthetic (random tokens, documents of `prompt` +
-`response` tokens) at `scales` x `docs` documents, run twice: "after", in micro-batches of `micro_batch_tokens`,
-and "before", the whole minibatch in one forward (`micro_batch_tokens=None`).
+micro-batches (`LocalPlan.policy_forward_backward` with the draft's taps and the teacher over the draft vocabulary,
+each micro-batch's taps backpropagated at once through `DraftGradients`), the policy's clip and AdamW step, then
+the draft's. The rollout is synthetic (random tokens, documents of `prompt` + `response` tokens) at `scales` x
+`docs` documents, each run twice: "after", in micro-batches of `micro_batch_tokens`, and "before", the whole
+minibatch in one forward (`micro_batch_tokens=None`), which is what the micro-batches are for.
 
 CPU torch keeps no allocator statistics, so `LiveBytes` counts the bytes of the tensor storages the step
-allocates while they live; its peak is the step's. Each mode runs in its own fresh process (side by side: one
-per core), after a one-document warm-up step that creates the optimizers' state, so the parameters and the
-optimizer state are live before the step and not counted. The processes' `ru_maxrss` growth over the step is
-reported as a coarse check.
+allocates while they live; its peak is the step's. Every point runs in a fresh process of its own (all side by
+side), after a one-document warm-up step that creates the optimizers' state, so the weights and the moments are
+live before the step and not counted; the process's `ru_maxrss` growth over the step is a coarse check.
 
-Usage: `spectrain bench memory [scales=1,4,16] [docs=16] [prompt=64] [response=192] [hidden=256] [layers=4]
-[vocab=8000] [draft_vocab=2000] [micro_batch_tokens=1024] [quick=false] [out_dir=docs/benchmarks]`; writes
-memory.json, memory.md and memory.png under `out_dir`. `quick=true` shrinks every size (for the tests).
+Usage: `spectrain bench memory [scales=1,4,16] [docs=8] [prompt=64] [response=192] [hidden=256] [layers=4]
+[vocab=8000] [draft_vocab=2000] [micro_batch_tokens=1024] [loss_kernel=chunked] [quick=false]
+[out_dir=docs/benchmarks]`; writes memory.json, memory.md and memory.png under `out_dir`. `quick=true` shrinks
+every size not given explicitly (for the tests).
 """
 from __future__ import annotations
 
 import dataclasses
 import gc
 import json
+import os
 import resource
 import time
 import weakref
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -37,18 +39,21 @@ from spectrain.machine import machine_label
 from spectrain.parallel.spawn import run_distributed
 from spectrain.plots import plot_panels
 
-DEFAULTS = {"scales": "1,4,16", "docs": 16, "prompt": 64, "response": 192, "hidden": 256, "layers": 4,
+DEFAULTS = {"scales": "1,4,16", "docs": 8, "prompt": 64, "response": 192, "hidden": 256, "layers": 4,
             "vocab": 8000, "draft_vocab": 2000, "micro_batch_tokens": 1024, "loss_kernel": "chunked",
-            "quick": "false",
-            "out_dir": "docs/benchmarks"}
+            "quick": "false", "out_dir": "docs/benchmarks"}
 QUICK = {"scales": "1,4", "docs": 4, "prompt": 8, "response": 24, "hidden": 64, "layers": 4, "vocab": 512,
          "draft_vocab": 128, "micro_batch_tokens": 64}
-MODES = ("before", "after")  # process rank -> micro_batch_tokens None / the option
+MODES = ("before", "after")  # micro_batch_tokens None / the option
 TTT_PASSES, PASS_DECAY, GRAD_CLIP, LR = 3, 0.8, 1.0, 1e-6
 TARGET_ERROR, TARGET_RATIO = 0.15, 1.2
 MIB = 1 << 20
-# the planner's rows the step allocates: the ones live before it (weights, optimizer moments) are not measured
-PLANNER_ROWS = ("gradients", "draft_gradients", "activations", "logits", "draft_inputs", "draft_update")
+MMAP_THRESHOLD = 1 << 16  # bytes: glibc maps every block above it on its own (`_fixed_mmap_threshold`)
+POLICY, DRAFT, OPTIMIZERS = "policy forward/backward", "draft update", "optimizer steps"  # the step's phases
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
 class LiveBytes(TorchDispatchMode):
@@ -70,10 +75,9 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor):
-                self._track(tensor.untyped_storage(), inputs)
+        inputs = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
+        for tensor in _tensors(out):
+            self._track(tensor.untyped_storage(), inputs)
         return out
 
     def _track(self, storage, inputs: set[int]) -> None:
@@ -124,30 +128,23 @@ def step_config(o: dict, scale: int, micro_batch_tokens: int | None):
     return config, dataclasses.replace(policy_architecture(config), vocab_size=o["vocab"])
 
 
-def planner_phases(config, policy) -> dict[str, dict[str, int]]:
+def planner_estimate(config, policy) -> dict:
     """The planner's rows for what the step allocates, per phase: the policy backward's peak (its table) and the
-    draft update's (`draft_update_bytes`, which the table adds only beyond the freed activations). Left out: the
-    weights and optimizer moments (live before the step), the engine and the CUDA reserve (no GPU here); of the
-    draft's row (16 B a parameter: weights, gradients, moments) only its gradients, 4 B, come with the step."""
+    draft update's (`draft_update_bytes`, which the table adds only beyond the freed activations); its estimate of
+    the step's peak is the larger. Left out: the weights and optimizer moments (live before the step), the engine
+    and the CUDA reserve (no GPU here); of the draft's row (16 B a parameter: weights, gradients, moments) only
+    its gradients, 4 B, come with the step."""
     from spectrain.train.memory_plan import FP32, GIB, draft_parameters, draft_update_bytes, plan_config
 
     plan = plan_config(config, 80 * GIB, policy)  # the GPU's size only sizes the engine's row, left out here
-    x = plan.inputs
-    held = {"gradients": plan.gradients, "draft_gradients": FP32 * draft_parameters(x.draft),
-            "draft_inputs": plan.draft_inputs}
-    return {POLICY: {**held, "activations": plan.activations, "logits": plan.logits},
-            DRAFT: {**held, "draft_activations": draft_update_bytes(x.draft, x.precision, x.tokens, x.ttt_passes)}}
-
-
-def planner_estimate(config, policy) -> dict:
-    """The planner's rows per phase, its estimate of the step's peak (the larger phase: what its table's total adds
-    up to, less the rows left out) and the micro-batch it planned."""
-    from spectrain.train.memory_plan import micro_batch_tokens
-
-    phases = planner_phases(config, policy)
+    x, draft_gradients = plan.inputs, FP32 * draft_parameters(plan.inputs.draft)
+    held = {"gradients": plan.gradients, "draft_gradients": draft_gradients, "draft_inputs": plan.draft_inputs}
+    phases = {POLICY: {**held, "activations": plan.activations, "logits": plan.logits},
+              DRAFT: {**held, "draft_activations": draft_update_bytes(x.draft, x.precision, x.tokens, x.ttt_passes)}}
     totals = {phase: sum(rows.values()) for phase, rows in phases.items()}
-    return {"phases": phases, "phase_totals": totals, "total": max(totals.values()),
-            "micro_batch_tokens": micro_batch_tokens(config)}
+    table = plan.total - plan.parameters - plan.optimizer - (plan.draft - draft_gradients) - plan.engine - plan.reserved
+    assert max(totals.values()) == table, (totals, table)  # the same rows as `spectrain plan` adds up
+    return {"phases": phases, "phase_totals": totals, "total": table, "micro_batch_tokens": x.tokens}
 
 
 def synthetic_rollout(documents: int, o: dict, seed: int = 1):
@@ -167,13 +164,16 @@ def synthetic_rollout(documents: int, o: dict, seed: int = 1):
 # ------------------------------------------------------------------------------ the step
 
 
-def grpo_step(policy, draft, policy_opt, draft_opt, batch, micro_batch_tokens: int | None, loss_kernel: str) -> int:
-    """One GRPO step's training as `GRPOModule.policy_update` and `DraftCoTraining` run it; its micro-batch count."""
+def grpo_step(policy, draft, policy_opt, draft_opt, batch, micro_batch_tokens: int | None, loss_kernel: str,
+              phase=lambda name: None) -> int:
+    """One GRPO step's training as `GRPOModule.policy_update` and `DraftCoTraining` run it, naming each `phase` as
+    it enters it; its micro-batch count."""
     from spectrain.batch import micro_batches
     from spectrain.parallel.plan import LocalPlan, ttt_valid_tokens
     from spectrain.train.draft_update import DraftGradients
     from spectrain.train.grpo import grpo_loss
 
+    phase(POLICY)
     plan, num_tokens, valid = LocalPlan(), batch.num_response_tokens, ttt_valid_tokens(batch)
     grads = DraftGradients(draft, draft_opt, ttt_passes=TTT_PASSES, pass_decay=PASS_DECAY, loss_kernel=loss_kernel)
 
@@ -182,29 +182,50 @@ def grpo_step(policy, draft, policy_opt, draft_opt, batch, micro_batch_tokens: i
                         num_tokens=num_tokens)
         return out.loss, logprobs
 
+    def on_taps(taps) -> None:
+        phase(DRAFT)
+        grads.add(dataclasses.replace(taps, num_valid_tokens=valid))
+        phase(POLICY)
+
     policy_opt.zero_grad(set_to_none=True)
-    plan.policy_forward_backward(policy, batch, loss_fn, tuple(draft.cfg.tap_layers), torch.Tensor.backward,
-                                 lambda taps: grads.add(dataclasses.replace(taps, num_valid_tokens=valid)),
+    plan.policy_forward_backward(policy, batch, loss_fn, tuple(draft.cfg.tap_layers), torch.Tensor.backward, on_taps,
                                  micro_batch_tokens, draft.t2d)
+    phase(OPTIMIZERS)
     plan.clip_grad_norm(policy, GRAD_CLIP)
     policy_opt.step()
     grads.finish(GRAD_CLIP)
     return len(micro_batches(batch, micro_batch_tokens))
 
 
+@contextmanager
+def _fixed_mmap_threshold():
+    """For the workers started inside: a fixed glibc mmap threshold, so that the RSS check measures the step, not
+    the C allocator's caching (by default glibc raises the threshold after the first large frees and then keeps
+    freed blocks of up to 32 MiB in heaps it does not return). glibc reads it once, at a process's start."""
+    old = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["MALLOC_MMAP_THRESHOLD_"]
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = old
+
+
 def _max_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
 
 
-def _measure(rank: int, world: int, o: dict, scale: int) -> dict:
-    """One mode (by `rank`) at one scale, in this fresh process: build, warm up on one document, measure one step."""
+def _measure(rank: int, world: int, o: dict) -> dict:
+    """One point, (scale, mode) by `rank`, in this fresh process: build, warm up on one document, measure one step."""
     from spectrain.models.eagle3 import Eagle3Draft
     from spectrain.models.llama import LlamaForCausalLM
     from spectrain.train.draft_update import draft_optimizer
     from spectrain.train.inputs import policy_attention_ops
     from spectrain.train.memory_plan import draft_architecture
 
-    mode = MODES[rank]
+    scale, mode = o["scales"][rank // len(MODES)], MODES[rank % len(MODES)]
     micro_batch_tokens = o["micro_batch_tokens"] if mode == "after" else None
     config, policy_cfg = step_config(o, scale, micro_batch_tokens)
     torch.manual_seed(0)
@@ -212,17 +233,17 @@ def _measure(rank: int, world: int, o: dict, scale: int) -> dict:
     policy.attention_ops = policy_attention_ops(config)
     draft = Eagle3Draft(draft_architecture(config, policy_cfg))
     policy_opt, draft_opt = torch.optim.AdamW(policy.parameters(), lr=LR), draft_optimizer(draft, LR)
-    batch = synthetic_rollout(o["docs"] * scale, o)
-    kernel = config.draft.loss_kernel
+    batch, kernel = synthetic_rollout(o["docs"] * scale, o), config.draft.loss_kernel
     grpo_step(policy, draft, policy_opt, draft_opt, synthetic_rollout(1, o, seed=2), micro_batch_tokens, kernel)
     gc.collect()
-    rss_before, started = _max_rss_bytes(), time.perf_counter()
+    rss_before = _max_rss_bytes()
     with LiveBytes() as live:
-        micro_count = grpo_step(policy, draft, policy_opt, draft_opt, batch, micro_batch_tokens, kernel)
+        micro_count = grpo_step(policy, draft, policy_opt, draft_opt, batch, micro_batch_tokens, kernel,
+                                lambda name: setattr(live, "phase", name))
     return {"scale": scale, "mode": mode, "documents": batch.num_docs, "tokens": int(batch.input_ids.numel()),
             "micro_batch_tokens": micro_batch_tokens, "micro_batches": micro_count, "peak_bytes": live.peak,
-            "rss_growth_bytes": _max_rss_bytes() - rss_before, "seconds": time.perf_counter() - started,
-            "planner": planner_rows(config, policy_cfg)}
+            "phase_peaks": live.peaks, "rss_growth_bytes": _max_rss_bytes() - rss_before,
+            "planner": planner_estimate(config, policy_cfg)}
 
 
 # ------------------------------------------------------------------------------ the report
@@ -237,9 +258,10 @@ def headline(points: list[dict], scales: list[int]) -> dict:
     small, large = scales[0], scales[-1]
     ratio = {m: _point(points, large, m)["peak_bytes"] / _point(points, small, m)["peak_bytes"] for m in MODES}
     after = _point(points, large, "after")
-    error = abs(after["planner"]["total"] - after["peak_bytes"]) / after["peak_bytes"]
+    signed = (after["planner"]["total"] - after["peak_bytes"]) / after["peak_bytes"]
+    error = abs(signed)
     return {"peak_ratio_16x_over_1x": ratio["after"], "peak_ratio_16x_over_1x_before": ratio["before"],
-            "planner_relative_error": error, "scales_compared": [small, large],
+            "planner_relative_error": error, "planner_signed_error": signed, "scales_compared": [small, large],
             "target_peak_ratio": TARGET_RATIO, "target_planner_error": TARGET_ERROR,
             "peak_ratio_target_met": ratio["after"] <= TARGET_RATIO, "planner_target_met": error <= TARGET_ERROR}
 
@@ -253,7 +275,7 @@ def settings(o: dict) -> dict:
     return {"policy": dataclasses.asdict(policy), "policy_parameters": policy_parameters(policy),
             "draft_parameters": draft_parameters(draft), "draft_vocab_size": draft.draft_vocab_size,
             "tap_layers": list(draft.tap_layers), "ttt_passes": TTT_PASSES, "dtype": "float32",
-            "grpo_minibatches": 1, "torch_threads_per_process": 1}
+            "draft_loss_kernel": config.draft.loss_kernel, "grpo_minibatches": 1, "torch_threads_per_process": 1}
 
 
 def _mib(n: float) -> str:
@@ -273,6 +295,18 @@ def plot(path: Path, points: list[dict], scales: list[int]) -> None:
                 xlabel="rollout size (x base documents)", logx=True, logy=True)
 
 
+def _phase_table(point: dict) -> str:
+    """Measured peak per phase beside the planner's rows for it, at one point."""
+    planner = point["planner"]
+    rows = []
+    for phase in (POLICY, DRAFT, OPTIMIZERS):
+        parts = planner["phases"].get(phase)
+        planned = (f"{_mib(planner['phase_totals'][phase])} = " + " + ".join(
+            f"{name.replace('_', ' ')} {_mib(v)}" for name, v in parts.items())) if parts else "not planned"
+        rows.append(f"| {phase} | {_mib(point['phase_peaks'].get(phase, 0))} | {planned} |")
+    return "\n".join(rows)
+
+
 def markdown(o: dict, points: list[dict], h: dict, s: dict, label: str, command: str) -> str:
     rows = []
     for scale in o["scales"]:
@@ -280,54 +314,70 @@ def markdown(o: dict, points: list[dict], h: dict, s: dict, label: str, command:
         rows.append(f"| {scale}x | {a['documents']} | {a['tokens']} | {a['micro_batches']} | {_mib(b['peak_bytes'])} | "
                     f"{_mib(a['peak_bytes'])} | {_mib(b['rss_growth_bytes'])} / {_mib(a['rss_growth_bytes'])} | "
                     f"{_mib(b['planner']['total'])} / {_mib(a['planner']['total'])} |")
-    large = _point(points, o["scales"][-1], "after")
-    rows_large = "\n".join(f"| {name} | {_mib(large['planner'][name])} |" for name in PLANNER_ROWS)
-    pct = lambda x: f"{100 * x:.1f}%"  # noqa: E731
+    small, large = h["scales_compared"]
+    pct = lambda x: f"{100 * x:+.1f}%"  # noqa: E731
     verdict = lambda met: "met" if met else "**missed**"  # noqa: E731
-    small_s, large_s = h["scales_compared"]
     return f"""# Peak memory of one GRPO step vs rollout size
 
 `{command}` on {label}.
 
-One GRPO step's training on CPU, float32, as `GRPOModule` runs it with `grpo.minibatches=1`: the policy forward
-and backward over the update's micro-batches with the draft's taps (teacher over the draft vocabulary), each
-micro-batch's taps backpropagated through the draft at once (`DraftGradients`), the policy's clip and AdamW step,
-then the draft's. Policy: the toy Llama, hidden {o['hidden']}, {o['layers']} layers, vocabulary {o['vocab']}
-({s['policy_parameters'] / 1e6:.2f}M parameters); draft: EAGLE-3 over layers {s['tap_layers']}, draft vocabulary
-{o['draft_vocab']} ({s['draft_parameters'] / 1e6:.2f}M parameters), {TTT_PASSES} TTT passes. Rollout: random
-tokens, {o['docs']} documents of {o['prompt']} + {o['response']} tokens at 1x. "after":
-`grpo.micro_batch_tokens={o['micro_batch_tokens']}`; "before": the whole minibatch in one forward. The sizes
-are chosen so that activations, logits and the draft's inputs dominate the step and each point takes seconds
-on 2 cores.
+One GRPO step's training on CPU in float32, as `GRPOModule` runs it with `grpo.minibatches=1`: the policy
+forward and backward over the update's micro-batches with the draft's taps (the teacher over the draft
+vocabulary), each micro-batch's taps backpropagated through the draft at once (`DraftGradients`), the policy's
+clip and AdamW step, then the draft's.
 
-| rollout | documents | tokens | micro-batches (after) | peak before (MiB) | peak after (MiB) | ru_maxrss growth before / after (MiB) | planner before / after (MiB) |
+- policy: the toy Llama, hidden {o['hidden']}, {o['layers']} layers, vocabulary {o['vocab']}: \
+{s['policy_parameters'] / 1e6:.2f}M parameters;
+- draft: EAGLE-3 over layers {s['tap_layers']}, draft vocabulary {o['draft_vocab']}: \
+{s['draft_parameters'] / 1e6:.2f}M parameters, {TTT_PASSES} TTT passes, loss kernel `{s['draft_loss_kernel']}`;
+- rollout: random tokens, {o['docs']} documents of {o['prompt']} + {o['response']} tokens at 1x;
+- "after": `grpo.micro_batch_tokens={o['micro_batch_tokens']}`; "before": the whole minibatch in one forward.
+
+The sizes make activations, logits and the draft's inputs the bulk of the step while the whole benchmark takes
+a minute or two on 2 cores.
+
+| rollout | documents | tokens | micro-batches (after) | peak before (MiB) | peak after (MiB) | RSS growth before / after (MiB) | planner before / after (MiB) |
 |---|---|---|---|---|---|---|---|
 {chr(10).join(rows)}
 
 Headlines:
-- peak "after" at {large_s}x / at {small_s}x: **{h['peak_ratio_16x_over_1x']:.2f}** (target <= {TARGET_RATIO}: {verdict(h['peak_ratio_target_met'])});
-  "before": {h['peak_ratio_16x_over_1x_before']:.2f}, the growth without micro-batches;
-- planner vs measured, "after" at {large_s}x: |estimate - measured| / measured = **{pct(h['planner_relative_error'])}**
-  (target <= {pct(TARGET_ERROR)}: {verdict(h['planner_target_met'])}).
 
-How to read them. "peak" is the largest sum of the bytes of the tensor storages the step allocated that were
-alive at once (`LiveBytes`, a `TorchDispatchMode`: CPU torch has no allocator statistics). It leaves out what
-was live before the step: the weights and both optimizers' moments (a one-document warm-up step created them),
-and the batch. "ru_maxrss growth" is each process's RSS high-water mark after the step minus before it: a coarse
-check (the mark includes the imports and the warm-up, and the C allocator keeps or returns freed pages as it
-likes), so it can read below the tensor peak where the earlier mark was already high, and above it by the
-allocator's slack.
+- peak "after" at {large}x / at {small}x: **{h['peak_ratio_16x_over_1x']:.3f}** (target <= {TARGET_RATIO}: \
+{verdict(h['peak_ratio_target_met'])}); "before", without micro-batches: {h['peak_ratio_16x_over_1x_before']:.2f};
+- planner vs measured peak, "after" at {large}x: **{pct(h['planner_signed_error'])}** (|error| target <= \
+{100 * TARGET_ERROR:.0f}%: {verdict(h['planner_target_met'])}; + is an overestimate).
 
-The planner (`spectrain plan`, spectrain/train/memory_plan.py) plans a GPU that also hosts vLLM; here only its
-training rows apply, and only those the step allocates: the policy's gradients, the draft's gradients (4 B of
-the draft row's 16 B a parameter), activations, the logits chunk and lm_head gradient, the draft's taps and
-teacher, and the draft update beyond the freed activations. Left out: the weights and the optimizer moments
-(live before the step), the engine and the CUDA reserve. The planner's rows at {large_s}x, "after" (MiB):
+## How to read them
 
-| row | MiB |
-|---|---|
-{rows_large}
-| total | {_mib(large['planner']['total'])} |
+"peak" is the largest sum of the bytes of the tensor storages the step allocated that were alive at once
+(`LiveBytes`, a `TorchDispatchMode`: CPU torch keeps no allocator statistics). It leaves out what was live before
+the step: the weights, both optimizers' moments (a one-document warm-up step created them) and the batch. "RSS
+growth" is the process's `ru_maxrss` after the step minus before it, a coarse check: the high-water mark before
+the step already holds the imports and the warm-up, so it reads low by what those left resident, and high by the
+C allocator's slack (the workers run with `MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}`, so glibc returns every large
+block when it is freed instead of caching it). Every point runs in a fresh process of its own, all side by side.
+
+The planner (`spectrain plan`, spectrain/train/memory_plan.py) plans a GPU that also hosts vLLM; only its
+training rows apply here, and of those only what the step allocates: the policy's gradients, the draft's
+gradients (4 B of the draft row's 16 B a parameter), the draft's taps and teacher, and either the policy
+backward's activations and logits chunk or the draft update's activations, whichever is larger (its table adds
+the draft update only beyond the freed activations; the sum of the rows is checked against its table). Left out:
+the weights and optimizer moments (live before the step), the engine and the CUDA reserve. The draft's loss runs
+`{s['draft_loss_kernel']}`: the planner models the fused losses (`chunked`, and `triton`, what `auto` picks on a
+GPU), which never hold whole probabilities; `auto` on CPU picks the dense `torch` loss, which keeps
+[tokens x draft vocabulary] probabilities per pass (`loss_kernel=torch` shows it).
+
+Per phase of the step, "after" at {large}x (MiB):
+
+| phase | measured peak | planner |
+|---|---|---|
+{_phase_table(_point(points, large, "after"))}
+
+Where the two differ: the planner sums its rows at one moment, the start of a micro-batch's backward, and adds
+there one decoder layer of gradients in flight and a temporary the size of the logits chunk to the whole
+activations and the chunk itself. That is an upper bound: the chunk lives in the lm_head's backward, which runs
+before any layer's. Its draft phase counts the draft's activations but not its loss's own logits chunk and lm_head
+gradient. Neither row counts the optimizer steps' temporaries (they come after the backward freed more).
 
 ![memory](memory.png)
 """
@@ -345,14 +395,18 @@ def write_report(o: dict, points: list[dict], h: dict, label: str, command: str)
 
 def main(args: list[str]) -> int:
     o = parse(args)
-    step_config(o, o["scales"][-1], o["micro_batch_tokens"])  # a size the recipe refuses fails here, before any run
+    try:  # a size the recipe refuses fails here, before any process starts
+        step_config(o, o["scales"][-1], o["micro_batch_tokens"])
+    except ConfigError as exc:
+        raise ConfigError(f"bench memory: {exc} (the benchmark sets these keys from its options: "
+                          f"{', '.join(DEFAULTS)})") from None
     started = time.perf_counter()
-    points = []
-    for scale in o["scales"]:
-        print(f"[bench memory] {scale}x: {o['docs'] * scale} documents, before and after side by side")
-        points += run_distributed(_measure, len(MODES), o, scale, timeout=900.0)
+    print(f"[bench memory] scales {o['scales']} x {o['docs']} documents, before and after: "
+          f"{len(o['scales']) * len(MODES)} processes side by side")
+    with _fixed_mmap_threshold():
+        points = run_distributed(_measure, len(o["scales"]) * len(MODES), o, timeout=900.0)
     h = headline(points, o["scales"])
-    label = f"{machine_label()}; {time.perf_counter() - started:.0f} s"
+    label = f"{machine_label()} (workers: 1 torch thread each); {time.perf_counter() - started:.0f} s"
     write_report(o, points, h, label, " ".join(["spectrain bench memory", *args]))
     print(json.dumps(h, indent=2))
     return 0

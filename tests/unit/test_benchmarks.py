@@ -230,3 +230,36 @@ def test_config_errors_are_spectrain_errors():
 
     with pytest.raises(ConfigError, match="unknown option"):
         parse_options("x", ["nope=1"], {"steps": 1})
+
+
+def test_live_bytes_counts_new_storages_once_until_freed():
+    """Views and in-place results share their input's storage: only fresh allocations count, until freed."""
+    from benchmarks.memory import LiveBytes
+
+    x = torch.zeros(1000)  # live before: never counted
+    with LiveBytes() as live:
+        y = x * 2
+        view = y.view(10, 100).t()
+        y.add_(1)
+        x.view(-1).mul_(3)
+        assert live.live == live.peak == 4000
+        del y
+        assert live.live == 4000  # the view keeps the storage
+        del view
+        z = x + 1
+        assert live.live == 4000 and live.peak == 4000
+    del z
+    assert live.live == 0
+
+
+def test_bench_memory_quick_writes_the_report_and_micro_batches_cap_the_peak(tmp_path):
+    """`spectrain bench memory quick=true`: tiny sizes, every (scale, mode) in its own process."""
+    assert cli.main(["bench", "memory", "quick=true", f"out_dir={tmp_path}"]) == 0
+    for name in ("memory.json", "memory.md", "memory.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    data = json.loads((tmp_path / "memory.json").read_text())
+    headline = data["headline"]
+    assert {"peak_ratio_16x_over_1x", "peak_ratio_16x_over_1x_before", "planner_relative_error"} <= set(headline)
+    largest = max(data["options"]["scales"])
+    peak = {p["mode"]: p["peak_bytes"] for p in data["points"] if p["scale"] == largest}
+    assert 0 < peak["after"] < peak["before"]
