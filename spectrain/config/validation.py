@@ -19,14 +19,27 @@ def _one_of(value: str, key: str, allowed: tuple[str, ...]) -> None:
     _require(value in allowed, key, f"'{value}' is not one of {list(allowed)}")
 
 
+def check_pipeline_fits(par, num_hidden_layers: int, tie_word_embeddings: bool, checkpoint: str | None = None) -> None:
+    """The stages fit the policy's layers, and no weight is shared between the first and the last stage.
+    At load time for the toy policy; for a `checkpoint` (policy.path) once its config.json is read."""
+    stages = par.pp * PP_STAGES_PER_RANK[par.pp_schedule]
+    per_rank = "" if stages == par.pp else f" ({par.pp_schedule} runs {stages // par.pp} per rank)"
+    policy = f"the checkpoint {checkpoint}" if checkpoint else "the policy"
+    _require(stages <= num_hidden_layers, "parallel.pp",
+             f"{stages} pipeline stages{per_rank} but {policy} has only {num_hidden_layers} layers; lower "
+             f"parallel.pp" + ("" if checkpoint else ", raise policy.num_hidden_layers")
+             + (" or use pp_schedule=1F1B" if per_rank else ""))
+    _require(not tie_word_embeddings, "policy.tie_word_embeddings",
+             f"{policy} ties its embeddings, which would put lm_head.weight on the first and the last stage; "
+             + ("use parallel.pp=1" if checkpoint else "set it false or parallel.pp=1"))
+
+
 def _check_pipeline(c: SpecTrainConfig) -> None:
     """What `PipelinePlan` and torch's schedules would reject mid-run, rejected at load time."""
     p, par = c.policy, c.parallel
     stages = par.pp * PP_STAGES_PER_RANK[par.pp_schedule]
-    per_rank = "" if stages == par.pp else f" ({par.pp_schedule} runs {stages // par.pp} per rank)"
-    _require(stages <= p.num_hidden_layers, "parallel.pp",
-             f"{stages} pipeline stages{per_rank} but the policy has only {p.num_hidden_layers} layers; lower "
-             f"parallel.pp, raise policy.num_hidden_layers" + (" or use pp_schedule=1F1B" if per_rank else ""))
+    if p.path is None:  # a checkpoint's layers are checked when its config.json is read
+        check_pipeline_fits(par, p.num_hidden_layers, p.tie_word_embeddings)
     _require(par.pp_schedule != "1F1B" or par.microbatches >= stages, "parallel.microbatches",
              f"1F1B needs at least one microbatch per stage ({stages}), got {par.microbatches}; raise "
              f"parallel.microbatches to >= {stages} or use parallel.pp_schedule=GPipe")
@@ -34,8 +47,6 @@ def _check_pipeline(c: SpecTrainConfig) -> None:
     _require(par.pp_schedule != "Interleaved1F1B" or par.microbatches % rounds == 0, "parallel.microbatches",
              f"Interleaved1F1B runs microbatches in rounds of parallel.pp={par.pp}: {par.microbatches} is not a "
              f"multiple of its {rounds} rounds; use a multiple of {par.pp}")
-    _require(not p.tie_word_embeddings, "policy.tie_word_embeddings",
-             "tied embeddings would put lm_head.weight on the first and the last stage; set it false or parallel.pp=1")
     docs = c.rollout.prompts_per_step * c.rollout.group_size // c.grpo.minibatches  # the smallest update's
     _require(docs >= par.dp * par.microbatches, "parallel.microbatches",
              f"each of parallel.dp={par.dp} ranks cuts its documents into {par.microbatches} microbatches, but an "

@@ -22,6 +22,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch.utils.data import DataLoader, IterableDataset
 
 from spectrain.config import SpecTrainConfig
+from spectrain.config.validation import check_pipeline_fits
 from spectrain.errors import ConfigError
 from spectrain.machine import resolve_device
 from spectrain.models.hf_io import save_pretrained
@@ -306,6 +307,9 @@ class SpecTrainer:
         if pretrained is not None:
             inputs.check_vocab(self.config, pretrained.vocab_size, self.tokenizer.vocab_size)
             inputs.check_context(self.config, pretrained)
+            if self.config.parallel.pp > 1:
+                check_pipeline_fits(self.config.parallel, pretrained.num_hidden_layers,
+                                    pretrained.tie_word_embeddings, self.config.policy.path)
         inputs.check_draft_path(self.config, pretrained)
         self.check_lengths()
         self._check_logger()

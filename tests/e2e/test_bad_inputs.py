@@ -390,6 +390,10 @@ HF_ROWS = [
      lambda: poisoned_copy("draft", "nan", "midlayer.mlp.up_proj.weight")),
     ("data without the configured key", [*HF_FIT, "data.prompt_key=problem"], r"data\.train_files: .*data\.prompt_key",
      None),
+    ("more stages than the checkpoint's layers", [*HF_FIT, "parallel.pp=4", "parallel.pp_schedule=Interleaved1F1B",
+                                                  "parallel.microbatches=4", "rollout.prompts_per_step=16"],
+     r"parallel\.pp: 8 pipeline stages \(Interleaved1F1B runs 2 per rank\) but the checkpoint .* has only \d layers; "
+     r"lower parallel\.pp or use pp_schedule=1F1B", None),
     ("custom reward that does not import", [*HF_FIT, "reward.name=custom", "reward.path=bad.py"],
      r"reward\.path: .*no_such_module", lambda: write("bad.py", "import no_such_module\n")),
     ("checkpoint's own tokenizer beyond its vocab", [*HF_FIT, "policy.path=small"],
