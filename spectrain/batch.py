@@ -28,6 +28,13 @@ class RolloutBatch:
     response_mask: torch.Tensor  # [T] bool
     advantages: torch.Tensor  # [T] float32, the document's advantage on every token
     rollout_logprobs: torch.Tensor  # [T] float32, the engine's logprob of targets (0 off-response)
+    # [T] float32, on every token its document's response token count (the seq-mean `grpo.loss_agg_mode`s weigh
+    # tokens by it); None: counted from `cu_seqlens` and `response_mask`, so it must be passed for a CP shard
+    response_lengths: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.response_lengths is None:
+            self.response_lengths = document_response_lengths(self.cu_seqlens, self.response_mask)
 
     @property
     def num_docs(self) -> int:
@@ -49,7 +56,17 @@ class RolloutBatch:
         cu = torch.zeros(len(doc_indices) + 1, dtype=self.cu_seqlens.dtype)
         cu[1:] = torch.cumsum(lengths, 0)
         return RolloutBatch(self.input_ids[rows], self.position_ids[rows], cu, self.targets[rows],
-                            self.response_mask[rows], self.advantages[rows], self.rollout_logprobs[rows])
+                            self.response_mask[rows], self.advantages[rows], self.rollout_logprobs[rows],
+                            self.response_lengths[rows])
+
+
+def document_response_lengths(cu_seqlens: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """[T] float32: on each token, the number of response tokens of its document (whole documents only)."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.long)
+    doc = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+    counts = torch.zeros(lengths.numel(), dtype=torch.float32, device=response_mask.device)
+    counts.index_add_(0, doc.to(response_mask.device), response_mask.to(torch.float32))
+    return counts[doc.to(response_mask.device)]
 
 
 def pack_documents(lengths: Sequence[int], max_tokens: int | None) -> list[list[int]]:

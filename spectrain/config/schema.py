@@ -16,6 +16,9 @@ POLICY_DTYPES = ("float32", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "varlen", "flex", "triton", "flash_attn", "te")  # docs/gpu.md
 ROLLOUT_ENGINES = ("vllm", "torch")
 DRAFT_LOSS_KERNELS = ("auto", "torch", "chunked", "triton")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")  # verl's actor.loss_agg_mode
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")  # verl's actor.kl_loss_type
+LR_SCHEDULERS = ("constant", "linear", "cosine")  # grpo.lr_scheduler
 
 
 @dataclass
@@ -118,6 +121,17 @@ class GRPOConfig:
     # each update's forward/backward runs in micro-batches of at most this many tokens per rank (whole documents;
     # gradients accumulate, one optimizer step per update); None: the whole minibatch in one forward
     micro_batch_tokens: int | None = None
+    # verl-named loss options (docs/your_model.md, "GRPO loss options"); the defaults are the plain GRPO above
+    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean (verl's loss_agg_mode)
+    clip_eps_low: float | None = None  # ratio clipped to [1 - clip_eps_low, 1 + clip_eps_high]; None: clip_eps
+    clip_eps_high: float | None = None  # DAPO's clip-higher, e.g. 0.28; None: clip_eps
+    norm_adv_by_std: bool = True  # false: Dr. GRPO's A = r - mean (verl's algorithm.norm_adv_by_std_in_grpo)
+    kl_estimator: str = "k3"  # k1 | k2 | k3 | low_var_kl (verl's kl_loss_type), for grpo.kl_beta > 0
+    overlong_buffer_len: int = 0  # DAPO overlong shaping over the last N of rollout.max_new_tokens; 0: off
+    overlong_penalty_factor: float = 1.0  # the penalty at rollout.max_new_tokens tokens
+    lr_scheduler: str = "constant"  # constant | linear | cosine (to 0 at trainer.max_steps), stepped per GRPO step
+    lr_warmup_steps: int = 0  # linear warm-up from 0 over this many GRPO steps
+    dynamic_sampling: bool = False  # DAPO: drop the groups whose rewards are all equal before the updates (dp=pp=1)
 
 
 @dataclass

@@ -5,8 +5,9 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from spectrain.config.schema import (ATTENTION_BACKENDS, DRAFT_LOSS_KERNELS, POLICY_DTYPES, PP_STAGES_PER_RANK,
-                                     ROLLOUT_ENGINES, VLLM_KWARGS_SET_BY_SPECTRAIN, SpecTrainConfig)
+from spectrain.config.schema import (ATTENTION_BACKENDS, DRAFT_LOSS_KERNELS, KL_ESTIMATORS, LOSS_AGG_MODES,
+                                     LR_SCHEDULERS, POLICY_DTYPES, PP_STAGES_PER_RANK, ROLLOUT_ENGINES,
+                                     VLLM_KWARGS_SET_BY_SPECTRAIN, SpecTrainConfig)
 from spectrain.errors import ConfigError, warn_input
 from spectrain.tasks.rewards import REWARD_FNS
 
@@ -197,6 +198,34 @@ def _check_grpo(c: SpecTrainConfig) -> None:
     _require(g.minibatches * par.dp <= docs, "grpo.minibatches",
              f"times parallel.dp={par.dp} must be in [1, prompts_per_step * group_size = {docs}]: "
              f"every data-parallel rank needs at least one completion per minibatch")
+    _check_grpo_options(c)
+
+
+def _check_grpo_options(c: SpecTrainConfig) -> None:
+    """The verl-named loss options (docs/your_model.md, "GRPO loss options")."""
+    g, r = c.grpo, c.rollout
+    _one_of(g.loss_agg_mode, "grpo.loss_agg_mode", LOSS_AGG_MODES)
+    _one_of(g.kl_estimator, "grpo.kl_estimator", KL_ESTIMATORS)
+    _one_of(g.lr_scheduler, "grpo.lr_scheduler", LR_SCHEDULERS)
+    for key in ("clip_eps_low", "clip_eps_high"):
+        value = getattr(g, key)
+        _require(value is None or value > 0, f"grpo.{key}",
+                 f"is {value}; it must be > 0 (e.g. 0.2, or 0.28 for DAPO's clip-higher), or null for grpo.clip_eps")
+    _require(g.clip_eps_low is None or g.clip_eps_low < 1, "grpo.clip_eps_low",
+             f"is {g.clip_eps_low}; it must be < 1 (the ratio's lower bound 1 - clip_eps_low must stay > 0), e.g. 0.2")
+    _require(0 <= g.overlong_buffer_len <= r.max_new_tokens, "grpo.overlong_buffer_len",
+             f"is {g.overlong_buffer_len}; it must be in [0, rollout.max_new_tokens={r.max_new_tokens}] (the last "
+             f"tokens before the length limit over which the penalty grows), e.g. {max(1, r.max_new_tokens // 4)}, "
+             f"or 0 to turn the overlong penalty off")
+    _require(g.overlong_penalty_factor >= 0, "grpo.overlong_penalty_factor",
+             f"is {g.overlong_penalty_factor}; it must be >= 0 (the reward lost at rollout.max_new_tokens), e.g. 1.0")
+    _require(g.lr_warmup_steps >= 0, "grpo.lr_warmup_steps",
+             f"is {g.lr_warmup_steps}; give a number of GRPO steps >= 0 (0: no warm-up)")
+    par = c.parallel
+    _require(not g.dynamic_sampling or par.dp * par.pp == 1, "grpo.dynamic_sampling",
+             f"drops documents per step, but parallel.dp={par.dp} and parallel.pp={par.pp} split each update's documents "
+             f"over ranks and microbatches by fixed counts; use it with parallel.dp=1 and parallel.pp=1 (cp is fine), "
+             f"or set grpo.dynamic_sampling=false")
 
 
 def _check_draft(c: SpecTrainConfig) -> None:

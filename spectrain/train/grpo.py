@@ -1,25 +1,82 @@
 """GRPO: group-normalised advantages and the token-level clipped policy loss."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from spectrain.config.schema import KL_ESTIMATORS, LOSS_AGG_MODES, LR_SCHEDULERS  # noqa: F401 (re-exported)
 from spectrain.ops.chunked_logprobs import dense_token_logprobs as token_logprobs  # noqa: F401 (the dense path)
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4,
+                     norm_by_std: bool = True) -> torch.Tensor:
     """`A = (r - mean_group) / (std_group + eps)` for rewards laid out group by group.
 
     `std` is the sample standard deviation (Bessel-corrected, as in TRL's GRPO); a group
     whose samples all got the same reward has advantage 0 and teaches nothing.
+    `norm_by_std=False` is Dr. GRPO's `A = r - mean_group` (verl's `norm_adv_by_std_in_grpo=False`).
     """
     assert rewards.dim() == 1 and rewards.numel() % group_size == 0, (
         f"rewards {tuple(rewards.shape)} must be flat and a multiple of group_size={group_size}")
     groups = rewards.view(-1, group_size).to(torch.float64)
     mean = groups.mean(dim=1, keepdim=True)
+    if not norm_by_std:
+        return (groups - mean).view(-1).to(rewards.dtype)
     std = groups.std(dim=1, keepdim=True, unbiased=True)
     return ((groups - mean) / (std + eps)).view(-1).to(rewards.dtype)
+
+
+def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer_len: int, factor: float) -> torch.Tensor:
+    """DAPO's overlong reward shaping, per completion (<= 0): a completion of `L` tokens past
+    `expected = max_new_tokens - buffer_len` loses `min((L - expected) / buffer_len * factor, factor)`.
+    `buffer_len=0`: off (all zeros)."""
+    lengths = lengths.to(torch.float64)
+    if buffer_len <= 0:
+        return torch.zeros_like(lengths)
+    exceed = (lengths - (max_new_tokens - buffer_len)).clamp_min(0.0)
+    return -torch.clamp(exceed / buffer_len * factor, max=factor)
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) from samples of pi (Schulman's k1/k2/k3; verl's `kl_penalty`).
+
+    k1 = logp - ref; k2 = (logp - ref)^2 / 2; k3 = exp(d) - d - 1 with d = ref - logp (non-negative);
+    low_var_kl = k3 with d clamped to [-20, 20] and the estimate to [-10, 10], as verl does.
+    """
+    if estimator == "k1":
+        return logprobs - ref_logprobs
+    if estimator == "k2":
+        return 0.5 * (logprobs - ref_logprobs) ** 2
+    delta = ref_logprobs - logprobs
+    if estimator == "k3":
+        return torch.exp(delta) - delta - 1.0
+    if estimator == "low_var_kl":
+        delta = delta.clamp(-20.0, 20.0)
+        return (torch.exp(delta) - delta - 1.0).clamp(-10.0, 10.0)
+    raise ValueError(f"kl estimator {estimator!r} is not one of {list(KL_ESTIMATORS)}")
+
+
+def lr_lambda(scheduler: str, warmup_steps: int, total_steps: int):
+    """The learning-rate multiplier after `s` finished GRPO steps, as transformers' / verl's schedules with warm-up:
+    `s / warmup_steps` during the warm-up, then 1 (constant), a linear decay to 0 at `total_steps` (linear), or a
+    half cosine to 0 at `total_steps` (cosine, transformers' `get_cosine_schedule_with_warmup`)."""
+    assert scheduler in LR_SCHEDULERS, scheduler
+
+    def f(s: int) -> float:
+        if s < warmup_steps:
+            return s / max(1, warmup_steps)
+        if scheduler == "constant":
+            return 1.0
+        progress = (s - warmup_steps) / max(1, total_steps - warmup_steps)
+        if scheduler == "linear":
+            return max(0.0, 1.0 - progress)
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0))))
+
+    return f
 
 
 
@@ -41,28 +98,57 @@ def grpo_loss(
     ref_logprobs: torch.Tensor | None = None,
     kl_beta: float = 0.0,
     num_tokens: int | float | None = None,
+    *,
+    clip_eps_low: float | None = None,
+    clip_eps_high: float | None = None,
+    kl_estimator: str = "k3",
+    loss_agg_mode: str = "token-mean",
+    response_lengths: torch.Tensor | None = None,
+    num_seqs: int | float | None = None,
 ) -> GRPOLossOutput:
-    """Token-level `-min(rho A, clip(rho, 1-eps, 1+eps) A)` plus `beta * KL(pi || ref)`.
+    """Token-level `-min(rho A, clip(rho, 1-eps_low, 1+eps_high) A)` plus `beta * KL(pi || ref)`.
 
-    All inputs are per token `[T]`; `mask` selects response tokens. The sum is divided by
-    `num_tokens` (default: the mask's count) so microbatches and ranks can share one global
-    normaliser. KL uses the non-negative k3 estimator `exp(d) - d - 1`, `d = ref - logp`.
+    All inputs are per token `[T]`; `mask` selects response tokens. `clip_eps_low` / `clip_eps_high`
+    (DAPO's clip-higher) default to `clip_eps`. KL is `kl_estimate(..., kl_estimator)` (default k3,
+    the non-negative `exp(d) - d - 1`, `d = ref - logp`).
+
+    `loss_agg_mode` (verl's names) aggregates the per-token loss:
+    - token-mean: the sum over response tokens / `num_tokens` (default: the mask's count);
+    - seq-mean-token-sum: the mean over sequences of each one's token sum: the sum / `num_seqs`;
+    - seq-mean-token-mean: the mean over sequences of each one's token mean: each token weighs
+      1 / its document's response length (`response_lengths`), and the sum is divided by `num_seqs`.
+    Both normalisers are global so micro-batches, CP shards and ranks add their shares up; `num_seqs`
+    defaults to the documents in `response_lengths` (whole documents only). The metrics
+    (clip_fraction, kl, ratio_mean) are token means over `num_tokens` in every mode.
     """
     mask = mask.to(logprobs.dtype)
     denom = mask.sum() if num_tokens is None else torch.as_tensor(float(num_tokens), dtype=logprobs.dtype)
     denom = denom.clamp_min(1.0)
+    low = clip_eps if clip_eps_low is None else clip_eps_low
+    high = clip_eps if clip_eps_high is None else clip_eps_high
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages
+    clipped = torch.clamp(ratio, 1.0 - low, 1.0 + high) * advantages
     per_token = -torch.minimum(unclipped, clipped)
     kl = torch.zeros_like(per_token)
     if ref_logprobs is not None and kl_beta > 0:
-        delta = ref_logprobs - logprobs
-        kl = torch.exp(delta) - delta - 1.0
+        kl = kl_estimate(logprobs, ref_logprobs, kl_estimator)
         per_token = per_token + kl_beta * kl
     clip_fraction = ((clipped != unclipped).to(mask.dtype) * mask).sum() / denom
+    if loss_agg_mode == "token-mean":
+        loss = (per_token * mask).sum() / denom
+    elif loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
+        assert response_lengths is not None or num_seqs is not None, (
+            f"loss_agg_mode={loss_agg_mode} needs num_seqs (or response_lengths to count whole documents)")
+        per_doc = (mask / response_lengths.to(logprobs.dtype).clamp_min(1.0)) if response_lengths is not None else None
+        seqs = per_doc.sum() if num_seqs is None else torch.as_tensor(float(num_seqs), dtype=logprobs.dtype)
+        weights = mask if loss_agg_mode == "seq-mean-token-sum" else per_doc
+        assert weights is not None, "loss_agg_mode=seq-mean-token-mean needs response_lengths"
+        loss = (per_token * weights).sum() / seqs.clamp_min(1.0)
+    else:
+        raise ValueError(f"loss_agg_mode {loss_agg_mode!r} is not one of {list(LOSS_AGG_MODES)}")
     return GRPOLossOutput(
-        loss=(per_token * mask).sum() / denom,
+        loss=loss,
         clip_fraction=clip_fraction.detach(),
         kl=((kl * mask).sum() / denom).detach(),
         ratio_mean=((ratio * mask).sum() / denom).detach(),

@@ -27,7 +27,7 @@ from spectrain.models.llama import LlamaForCausalLM, apply_activation_checkpoint
 from spectrain.parallel.fsdp import shard_optimizer_state
 from spectrain.parallel.plan import DraftInputs, LocalPlan, TrainPlan, ttt_valid_tokens
 from spectrain.batch import RolloutBatch, build_rollout_batch
-from spectrain.train.grpo import group_advantages, grpo_loss, minibatch_documents
+from spectrain.train.grpo import group_advantages, grpo_loss, lr_lambda, minibatch_documents, overlong_penalty
 from spectrain.rollout.engine import Completion, LoadStats, RolloutEngine, SamplingConfig, SpecDecodeCounters
 from spectrain.rollout.speculation.controllers import uses_step_loop
 from spectrain.rollout.speculation.long_tail import LongTailPolicy, LongTailTrainer
@@ -106,12 +106,25 @@ class GRPOModule(L.LightningModule):
         """The step in flight, counted from 1 as `trainer.max_steps` counts (`global_step` counts finished ones)."""
         return self.global_step + 1
 
+    @property
+    def schedules_policy_lr(self) -> bool:
+        """Whether the policy's lr follows a schedule (`grpo.lr_scheduler`, `grpo.lr_warmup_steps`); the default
+        constant lr adds no scheduler, so its checkpoints are laid out as before the option existed."""
+        g = self.config.grpo
+        return g.lr_scheduler != "constant" or g.lr_warmup_steps > 0
+
     @override
     def configure_optimizers(self):
         g = self.config.grpo
         policy_opt = torch.optim.AdamW(self.policy.parameters(), lr=g.lr, weight_decay=g.weight_decay)
+        # stepped once per GRPO step (`training_step`); checkpointed by Lightning, so a resume continues it. It comes
+        # after the draft's ramp: Lightning restores schedulers in order (zip), so a checkpoint written before this
+        # schedule existed restores the ramp and starts the schedule afresh
+        schedule = ([torch.optim.lr_scheduler.LambdaLR(
+            policy_opt, lr_lambda(g.lr_scheduler, g.lr_warmup_steps, self.config.trainer.max_steps))]
+            if self.schedules_policy_lr else [])
         if self.draft is None:
-            return policy_opt
+            return ([policy_opt], schedule) if schedule else policy_opt
         d = self.config.draft
         draft_opt = draft_optimizer(self.draft, d.lr)
         if d.carry_warmup_optimizer and self.draft_warmup_state is not None:
@@ -121,7 +134,7 @@ class GRPOModule(L.LightningModule):
             for group in draft_opt.param_groups:
                 group["lr"] = d.lr
         ramp = torch.optim.lr_scheduler.LambdaLR(draft_opt, lambda u: min(1.0, (u + 1) / (d.lr_ramp_updates + 1)))
-        return [policy_opt, draft_opt], [ramp]  # checkpointed with the optimizers, so a resume continues the ramp
+        return [policy_opt, draft_opt], [ramp, *schedule]  # checkpointed with the optimizers: a resume continues both
 
     def policy_optimizer(self):
         opts = self.optimizers()
@@ -134,7 +147,16 @@ class GRPOModule(L.LightningModule):
     def count_draft_update(self, update: DraftUpdate) -> None:
         """Advance the online learning-rate ramp by one applied draft update (co-training or spot)."""
         if update.applied:
-            self.lr_schedulers().step()
+            self.schedulers()[0].step()
+
+    def schedulers(self) -> list:
+        """`configure_optimizers`' schedulers, in order: the draft's ramp (with a draft), the policy's lr schedule
+        (with `schedules_policy_lr`)."""
+        found = self.lr_schedulers()
+        return [] if found is None else found if isinstance(found, list) else [found]
+
+    def policy_lr_scheduler(self):
+        return self.schedulers()[-1] if self.schedules_policy_lr else None
 
     @property
     def teacher_dtype(self) -> torch.dtype:
@@ -257,13 +279,26 @@ class GRPOModule(L.LightningModule):
         completions, rewards, rollout = self.rollout(examples, self.config.rollout.group_size, train_in_tail=True)
         assert all(len(c.logprobs) == len(c.token_ids) for c in completions), (
             "the rollout engine must return each sampled token's logprob: they are GRPO's old policy")
-        batch = build_rollout_batch(completions, group_advantages(rewards, self.config.rollout.group_size,
-                                                                  g.adv_eps)).to(self.device)
+        shaped = rewards
+        if g.overlong_buffer_len > 0:  # DAPO: the advantages see the penalty; `rewards` (logged) stay the task's
+            penalty = overlong_penalty(torch.tensor([len(c.token_ids) for c in completions]),
+                                       self.config.rollout.max_new_tokens, g.overlong_buffer_len,
+                                       g.overlong_penalty_factor)
+            shaped = (rewards.double() + penalty).to(rewards.dtype)
+            self.log("reward/overlong_penalty", float(penalty.mean()), on_step=True, batch_size=len(examples))
+        advantages = group_advantages(shaped, self.config.rollout.group_size, g.adv_eps, g.norm_adv_by_std)
+        keep = self.dynamic_sampling(shaped, len(examples)) if g.dynamic_sampling else None
+        if keep is not None:
+            completions, advantages = [completions[i] for i in keep], advantages[keep]
+        batch = build_rollout_batch(completions, advantages).to(self.device)
         on_taps = self.tap_handler(batch)  # None: no callback trains the draft this step
         generator = torch.Generator().manual_seed(self.config.trainer.seed * 1_000_003 + self.global_step)
+        minibatches = min(g.minibatches, batch.num_docs)  # dynamic sampling may leave fewer documents
         updates = [(epoch, docs) for epoch in range(g.epochs)
-                   for docs in minibatch_documents(batch.num_docs, g.minibatches, generator)]
+                   for docs in minibatch_documents(batch.num_docs, minibatches, generator)]
         results, stats = [], []
+        policy_opt = self.policy_optimizer()
+        lr = getattr(policy_opt, "optimizer", policy_opt).param_groups[0]["lr"]  # this step's (moves after the updates)
         for i, (epoch, docs) in enumerate(updates):
             part = batch if len(docs) == batch.num_docs else batch.select(docs)
             # the draft sees every document once, from the first epoch's forwards
@@ -283,8 +318,30 @@ class GRPOModule(L.LightningModule):
         step = StepResult(self.current_step, rollout, rewards, batch, len(updates), mean("loss").item(),
                           mean("grad_norm").item(), clip_fraction, kl,
                           diff_sum / diff_count if diff_count else float("nan"))
+        scheduler = self.policy_lr_scheduler()
+        if scheduler is not None:
+            scheduler.step()  # once per GRPO step, after its updates
         self.log_step(step, len(examples))
+        self.log("policy/lr", lr, on_step=True, batch_size=len(examples))
         return {"loss": mean("loss"), "step": step}
+
+    def dynamic_sampling(self, rewards: torch.Tensor, prompts: int) -> list[int] | None:
+        """DAPO's dynamic sampling, drop-only (no re-sampling to refill the batch): the completions of the groups
+        whose (shaped) rewards are not all equal, None to keep all. A group of equal rewards has zero advantage and
+        teaches the policy nothing. When every group is such, the step trains on all of them (zero advantage:
+        no policy gradient) with a warning. Validation keeps it to parallel.dp=pp=1 (no per-rank document counts)."""
+        n = self.config.rollout.group_size
+        groups = rewards.view(-1, n)
+        varied = (groups != groups[:, :1]).any(dim=1)
+        self.log("rollout/groups_dropped", float((~varied).sum()), on_step=True, batch_size=prompts)
+        if varied.all():
+            return None
+        if not varied.any():
+            rank_zero_warn(f"[spectrain] grpo.dynamic_sampling: every group of the step-{self.current_step} rollout "
+                           f"got equal rewards, so none has an advantage; the step trains on all of them (no policy "
+                           f"gradient). Persistent: the task is too easy or too hard for the policy.")
+            return None
+        return [i for i in range(rewards.numel()) if bool(varied[i // n])]
 
     def log_step(self, step: StepResult, prompts: int) -> None:
         self.log_dict({
@@ -353,12 +410,16 @@ class GRPOModule(L.LightningModule):
         """
         g = self.config.grpo
         num_tokens = part.num_response_tokens  # global: every rank holds the whole rollout
+        num_seqs = part.num_docs  # global too: the seq-mean loss_agg_modes' normaliser
         shares = {"clip_fraction": torch.tensor(0.0), "kl": torch.tensor(0.0)}  # summed over this rank's chunks
 
         def loss_fn(logprobs: torch.Tensor, local: RolloutBatch):
             ref = self.reference_logprobs(local) if g.kl_beta > 0 else None
             out = grpo_loss(logprobs, local.rollout_logprobs, local.advantages, local.response_mask, g.clip_eps,
-                            ref_logprobs=ref, kl_beta=g.kl_beta, num_tokens=num_tokens)
+                            ref_logprobs=ref, kl_beta=g.kl_beta, num_tokens=num_tokens,
+                            clip_eps_low=g.clip_eps_low, clip_eps_high=g.clip_eps_high, kl_estimator=g.kl_estimator,
+                            loss_agg_mode=g.loss_agg_mode, response_lengths=local.response_lengths,
+                            num_seqs=num_seqs)
             shares["clip_fraction"] = shares["clip_fraction"] + out.clip_fraction
             shares["kl"] = shares["kl"] + out.kl
             return out.loss, logprobs

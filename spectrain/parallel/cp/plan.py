@@ -66,6 +66,7 @@ def shard_batch(batch: RolloutBatch, layout: ZigzagLayout, pad_id: int) -> Rollo
         response_mask=shard(batch.response_mask, layout, False),
         advantages=shard(batch.advantages, layout, 0.0),
         rollout_logprobs=shard(batch.rollout_logprobs, layout, 0.0),
+        response_lengths=shard(batch.response_lengths, layout, 0.0),  # the whole document's, not the shard's
     )
     assert torch.equal(shard(batch.position_ids, layout, 0)[layout.valid], layout.position_ids[layout.valid]), (
         "batch.position_ids must count from 0 inside every document")
