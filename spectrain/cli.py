@@ -1,4 +1,4 @@
-"""`spectrain` command line: fit, show-config, plan, bench, calibrate.
+"""`spectrain` command line: fit, show-config, plan, bench, calibrate, recipes.
 
 Every `SpecTrainError` (a bad recipe, run directory, prompt file, engine start...) is printed
 as one line, `error: <message>`, on stderr with exit code 2; `spectrain --debug ...` raises
@@ -17,7 +17,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from spectrain.config import DEFAULT_RECIPE, load_config, to_yaml
+from spectrain.config import DEFAULT_RECIPE, load_config, packaged_recipe_dir, to_yaml
 from spectrain.errors import ConfigError, InputWarning, SpecTrainError
 
 BENCHMARKS = ("drift", "draft_optimizer", "cp", "pp", "adaptive", "kernels", "memory")
@@ -28,9 +28,48 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def recipe_description(path: Path) -> str:
+    """The first sentence of a recipe's header comment (its leading `#` lines, up to the first empty one)."""
+    lines = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        text = line.lstrip("#").strip()
+        if not text:
+            if lines:
+                break
+            continue
+        lines.append(text)
+    header = " ".join(lines)
+    end = next((i + 1 for i, ch in enumerate(header) if ch == "." and (i + 1 == len(header) or header[i + 1] == " ")
+                and not header[max(0, i - 3):i + 1].endswith(("e.g.", "i.e."))), len(header))
+    return header[:end] or "(no header comment)"
+
+
+def packaged_recipes() -> list[tuple[str, str]]:
+    """(name, one-line description) of every packaged recipe, by name."""
+    return [(p.stem, recipe_description(p)) for p in sorted(packaged_recipe_dir().glob("*.yaml"))]
+
+
+def recipes_listing() -> str:
+    recipes = packaged_recipes()
+    width = max((len(name) for name, _ in recipes), default=0)
+    return "\n".join(f"  {name:<{width}}  {description}" for name, description in recipes)
+
+
+def _recipes(args) -> int:
+    print(recipes_listing())
+    return 0
+
+
 def _fit(args) -> int:
     from spectrain.train.trainer import SpecTrainer
 
+    if args.recipe is None:  # a bare `spectrain fit`: say what it runs
+        args.recipe = DEFAULT_RECIPE
+        if ERROR_FILE_ENV not in os.environ and _rank() == 0:
+            print(f"no recipe given: running {DEFAULT_RECIPE}, the embedded CPU demo; `spectrain recipes` lists the "
+                  f"others", file=sys.stderr)
     if ERROR_FILE_ENV in os.environ or _rank() != 0:  # the launching process (or rank 0) gave the input warnings
         warnings.filterwarnings("ignore", category=InputWarning)
     config = load_config(args.recipe, args.overrides)
@@ -145,14 +184,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true",
                         help="raise errors with their traceback instead of printing one line")
     sub = parser.add_subparsers(dest="command", required=True)
-    fit = sub.add_parser("fit", help="run GRPO with online draft co-training from a recipe")
+    fit = sub.add_parser("fit", help="run GRPO with online draft co-training from a recipe",
+                         formatter_class=argparse.RawDescriptionHelpFormatter,
+                         epilog=f"packaged recipes (`spectrain recipes`; without one, fit runs {DEFAULT_RECIPE}):\n"
+                                f"{recipes_listing()}")
     show = sub.add_parser("show-config", help="print the fully resolved config of a recipe")
     calib = sub.add_parser("calibrate", help="measure the verify budget C of adaptive speculation "
                                              "into <run_dir>/calibration.json")
     plan = sub.add_parser("plan", help="print the memory per GPU of a recipe from its config.json alone; "
                                        "exit 1 when it does not fit")
     for p in (fit, show, plan, calib):
-        p.add_argument("recipe", nargs="?", default=DEFAULT_RECIPE, help="recipe name or YAML path")
+        p.add_argument("recipe", nargs="?", default=None if p is fit else DEFAULT_RECIPE,
+                       help=f"recipe name or YAML path (default {DEFAULT_RECIPE}; `spectrain recipes` lists them)")
         p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.max_steps=5")
     plan.add_argument("--gpu-memory", type=float, default=80.0, metavar="GiB",
                       help="memory of one GPU in GiB (default 80)")
@@ -160,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(func=_show_config)
     plan.set_defaults(func=_plan)
     calib.set_defaults(func=_calibrate)
+    recipes = sub.add_parser("recipes", help="list the packaged recipes, one line each")
+    recipes.set_defaults(func=_recipes)
     bench = sub.add_parser("bench", help="run a benchmark; results go to docs/benchmarks/")
     bench.add_argument("name", choices=BENCHMARKS)
     bench.add_argument("overrides", nargs="*", help="key=value options of the benchmark")
@@ -169,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    recipe = getattr(args, "recipe", None)
+    if recipe is not None and "=" in recipe and not Path(recipe).is_file():  # `fit key=value`: an override, no recipe
+        args.overrides, args.recipe = [recipe, *args.overrides], None if args.command == "fit" else DEFAULT_RECIPE
     try:
         return args.func(args)
     except SpecTrainError as exc:

@@ -278,11 +278,24 @@ def _parse_overrides(overrides: list[str]) -> DictConfig:
     return layer
 
 
+def _refuse_hydra_prefix(item: str) -> None:
+    """Hydra's `+key=value` (add), `++key=value` (force) and `~key` (delete): spectrain has a fixed schema."""
+    prefix = "++" if item.startswith("++") else item[0]
+    plain = item[len(prefix):]
+    raise ConfigError(f"override '{item}': spectrain takes key=value, without Hydra's '{prefix}' prefix (give "
+                      f"'{plain}'); keys cannot be added or deleted: every key is in the schema "
+                      f"(spectrain/config/schema.py; `spectrain show-config` prints them all) and unknown keys "
+                      f"are refused. To add a callback, set the list: "
+                      f"'trainer.callbacks=[{{target: my_pkg.MyCallback, args: {{}}}}]' (docs/cotraining.md)")
+
+
 def load_config(recipe: str | None = None, overrides: list[str] | None = None) -> SpecTrainConfig:
     """Load a recipe (default: the embedded tiny CPU recipe), apply overrides, expand the paths, validate."""
     cfg = OmegaConf.structured(SpecTrainConfig)
     path = resolve_recipe(recipe or DEFAULT_RECIPE)
     for item in overrides or []:
+        if item.startswith(("+", "~")):
+            _refuse_hydra_prefix(item)
         if "=" not in item:
             raise ConfigError(f"override '{item}' must look like key=value, e.g. trainer.max_steps=10")
     _check_empty_overrides(list(overrides or []))

@@ -1,0 +1,96 @@
+"""What a verl / NeMo-RL / TRL user tries first: `spectrain recipes`, the recipes in `fit --help`, a bare
+`spectrain fit` saying what it runs, and Hydra's `+key=value` refused with the spelling spectrain takes."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spectrain import cli
+from spectrain.config import ConfigError, load_config
+
+REPO = Path(__file__).parents[2]
+RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "spectrain.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_recipes_lists_every_packaged_recipe_with_its_description(capsys):
+    assert RECIPES, "no recipes/*.yaml"
+    assert cli.main(["recipes"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == RECIPES  # one line each, by name
+    for line in lines:
+        name, description = line.split(maxsplit=1)
+        assert description == cli.recipe_description(REPO / "recipes" / f"{name}.yaml")
+        assert description != "(no header comment)", f"recipes/{name}.yaml has no header comment"
+    by_name = dict(line.split(maxsplit=1) for line in lines)
+    assert by_name["tiny_cpu"].startswith("The embedded default: a tiny Llama policy")
+    assert by_name["tiny_cpu"].endswith("(2 CPU cores).")  # the first sentence, across the header's lines
+
+
+def test_recipe_description_is_the_first_sentence_of_the_header(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("# A recipe, e.g. for a test. Second sentence\n# goes on.\n#\n# More.\ntrainer:\n  max_steps: 1\n")
+    assert cli.recipe_description(recipe) == "A recipe, e.g. for a test."
+    recipe.write_text("trainer:\n  max_steps: 1\n")
+    assert cli.recipe_description(recipe) == "(no header comment)"
+
+
+def test_fit_help_lists_the_recipes():
+    done = run_cli("fit", "--help")
+    assert done.returncode == 0, done.stderr
+    assert "packaged recipes" in done.stdout
+    for name in RECIPES:
+        assert f"  {name} " in done.stdout
+
+
+def test_bare_fit_says_it_runs_tiny_cpu(monkeypatch, capsys):
+    """No recipe: tiny_cpu, said in one line on stderr (stdout keeps the run's summary alone)."""
+    from spectrain.train import trainer
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    class FakeTrainer:
+        def __init__(self, config):
+            seen["config"] = config
+
+        def fit(self):
+            raise Stop
+
+    monkeypatch.setattr(trainer, "SpecTrainer", FakeTrainer)
+    with pytest.raises(Stop):
+        cli.main(["fit", "trainer.max_steps=3"])  # an override alone is not taken for a recipe name
+    err = capsys.readouterr().err
+    assert ("no recipe given: running tiny_cpu, the embedded CPU demo; `spectrain recipes` lists the others"
+            in err.splitlines())
+    assert seen["config"].trainer.max_steps == 3
+    with pytest.raises(Stop):
+        cli.main(["fit", "tiny_cpu"])
+    assert "no recipe given" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("item,plain", [("+trainer.max_steps=3", "trainer.max_steps=3"),
+                                        ("++trainer.max_steps=3", "trainer.max_steps=3"),
+                                        ("~trainer.max_steps", "trainer.max_steps")])
+def test_hydra_prefixes_are_refused_with_the_spelling_spectrain_takes(item, plain):
+    with pytest.raises(ConfigError) as info:
+        load_config("tiny_cpu", [item])
+    message = str(info.value)
+    assert "spectrain takes key=value" in message
+    assert f"give '{plain}'" in message
+    assert "unknown keys are refused" in message
+    assert "trainer.callbacks=[{target:" in message
+
+
+def test_hydra_prefix_error_on_the_command_line():
+    done = run_cli("show-config", "tiny_cpu", "+trainer.callbacks=[{target: my_pkg.MyCallback}]")
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: override '+trainer.callbacks=")
+    assert "without Hydra's '+' prefix" in done.stderr
