@@ -373,11 +373,11 @@ Per phase of the step, "after" at {large}x (MiB):
 |---|---|---|
 {_phase_table(_point(points, large, "after"))}
 
-Where the two differ: the planner sums its rows at one moment, the start of a micro-batch's backward, and adds
-there one decoder layer of gradients in flight and a temporary the size of the logits chunk to the whole
-activations and the chunk itself. That is an upper bound: the chunk lives in the lm_head's backward, which runs
-before any layer's. Its draft phase counts the draft's activations but not its loss's own logits chunk and lm_head
-gradient. Neither row counts the optimizer steps' temporaries (they come after the backward freed more).
+Where the two differ: the planner sums its rows at one moment, the start of a micro-batch's backward: the whole
+activations, one decoder layer of gradients in flight, and the logits chunk only beyond that layer (the chunk lives
+in the lm_head's backward, which runs and frees it before any layer's). Its draft phase counts the draft's
+activations but not its loss's own logits chunk and lm_head gradient. Neither row counts the optimizer steps'
+temporaries (they come after the backward freed more).
 
 ![memory](memory.png)
 """

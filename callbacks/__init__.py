@@ -5,8 +5,9 @@ from spectrain.callbacks.draft_cotraining import DraftCoTraining
 from spectrain.callbacks.held_out_eval import HeldOutEval
 from spectrain.callbacks.policy_drift import PolicyDrift
 from spectrain.callbacks.run_history import RunHistory
+from spectrain.callbacks.sample_logger import SampleGenerations
 from spectrain.callbacks.stop_on_signal import InterruptOnSignal, RunInterrupted, StopOnSignal
 from spectrain.callbacks.weight_sync import SpeculationDeadError, WeightSync
 
 __all__ = ["AcceptanceLengthLogger", "DraftCoTraining", "HeldOutEval", "InterruptOnSignal", "PolicyDrift", "RunHistory",
-           "RunInterrupted", "SpeculationDeadError", "StopOnSignal", "WeightSync"]
+           "RunInterrupted", "SampleGenerations", "SpeculationDeadError", "StopOnSignal", "WeightSync"]

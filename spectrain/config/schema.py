@@ -208,7 +208,12 @@ class TrainerConfig:
     run_dir: str = "runs/tiny_cpu"
     warmstart_dir: str | None = None  # SFT policy + draft warm-up cache; None: <run_dir>/warmstart
     resume: str = "auto"  # auto: resume an existing run dir | never: refuse an existing one
-    logger: str = "csv"  # csv | tensorboard
+    # csv | tensorboard | wandb | mlflow | console (no-op, as in verl), or a list of them: [csv, wandb]
+    logger: Any = "csv"
+    project_name: str = "spectrain"  # wandb project / MLflow experiment (verl: trainer.project_name)
+    experiment_name: str | None = None  # wandb / MLflow run name; None: the run directory's name
+    log_samples_every_n_steps: int = 10  # a table of sample generations every N steps (0: never)
+    log_samples_n: int = 4  # completions in that table
     log_every_n_steps: int = 1
     eval_every_n_steps: int = 10  # held-out reward every N steps (0: only before and after training)
     checkpoint_every_n_steps: int = 5

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,10 +64,10 @@ _AT_LEAST_ONE = (
     "grpo.minibatches", "grpo.epochs", "draft.num_speculative_tokens", "draft.ttt_passes", "draft.every_n_steps",
     "parallel.dp", "parallel.cp", "parallel.pp", "parallel.microbatches", "speculation.bandit.window",
     "speculation.bandit.min_plays", "speculation.long_tail.threshold", "trainer.log_every_n_steps",
-    "trainer.checkpoint_every_n_steps",
+    "trainer.checkpoint_every_n_steps", "trainer.log_samples_n",
 )
 _AT_LEAST_ZERO = ("draft.warmup_steps", "draft.lr_ramp_updates", "grpo.kl_beta", "grpo.weight_decay", "speculation.long_tail.max_steps",
-                  "trainer.max_steps", "trainer.eval_every_n_steps")
+                  "trainer.max_steps", "trainer.eval_every_n_steps", "trainer.log_samples_every_n_steps")
 _POSITIVE = ("sft.lr", "grpo.lr", "grpo.clip_eps", "grpo.adv_eps", "grpo.grad_clip", "draft.lr", "draft.warmup_lr", "draft.grad_clip")
 _MAX_SEED = 2**32 - 1  # Lightning's seed_everything accepts 0..2^32-1
 
@@ -303,7 +304,7 @@ def _check_trainer(c: SpecTrainConfig) -> None:
     t = c.trainer
     _one_of(t.accelerator, "trainer.accelerator", ("auto", "cpu", "cuda"))
     _one_of(t.resume, "trainer.resume", ("auto", "never"))
-    _one_of(t.logger, "trainer.logger", ("csv", "tensorboard"))
+    logger_names(t.logger)
     _require(0 <= t.seed <= _MAX_SEED, "trainer.seed", f"is {t.seed}; it must be in 0..{_MAX_SEED}")
     _require(t.warmstart_dir is None or Path(t.warmstart_dir).resolve() != Path(t.run_dir).resolve(),
              "trainer.warmstart_dir", "is the run directory itself; use a directory of its own, or null for "
@@ -312,6 +313,25 @@ def _check_trainer(c: SpecTrainConfig) -> None:
         _require("." in callback.target, f"trainer.callbacks[{i}].target",
                  f"'{callback.target}' must be the full import path of a lightning Callback class, "
                  f"e.g. my_pkg.callbacks.MyCallback")
+
+
+LOGGERS = ("csv", "tensorboard", "wandb", "mlflow", "console")
+
+
+def logger_names(value) -> list[str]:
+    """`trainer.logger` as a list of distinct logger names (a single name is a list of one; `console` is a
+    no-op: the progress bar is the console). Raises a ConfigError naming a bad entry."""
+    names = [value] if isinstance(value, str) else value
+    _require(isinstance(names, Sequence) and not isinstance(names, bytes)
+             and all(isinstance(n, str) for n in names), "trainer.logger",
+             f"{value!r} must be a logger name or a list of them, one or more of {list(LOGGERS)}, e.g. "
+             f"trainer.logger=csv or trainer.logger=[csv,wandb]")
+    for n in names:
+        where = "" if isinstance(value, str) else f" (in {list(names)})"
+        _require(n in LOGGERS, "trainer.logger", f"'{n}'{where} is not one of {list(LOGGERS)}; e.g. "
+                 f"trainer.logger=csv or trainer.logger=[csv,wandb]")
+    _require(len(set(names)) == len(names), "trainer.logger", f"{list(names)} names a logger twice; list each once")
+    return [n for n in names if n != "console"]
 
 
 def _paths(files) -> list[str]:

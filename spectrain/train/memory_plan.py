@@ -47,7 +47,9 @@ backward adds about one layer of gradients in flight:
 
 Logits: the chunked log-softmax (`ops.chunked_logprobs`) holds at most `LOGITS_CHUNK_TOKENS` = 4096 tokens of
 float32 logits and a temporary of their size, and accumulates the lm_head's gradient in float32:
-min(T, 4096) x V x 8 + V x H x 4. The draft's inputs, kept from the policy forward to the draft update:
+min(T, 4096) x V x 8 + V x H x 4. Its backward runs first, before any layer's: the chunk is gone before the
+layers' gradients in flight (and, checkpointed, the recomputed layer) appear, so only the chunk's excess over
+those is added: max(0, min(T, 4096) x V x 8 - T x layer x (2 if checkpointed else 1)) + V x H x 4. The draft's inputs, kept from the policy forward to the draft update:
 T ((taps + 1) H r + 4 Vd + 8): the tapped residuals, the embedding output, the float32 teacher over the draft
 vocabulary and the policy's top-1 id. The draft update's own activations (its residual stream is fc's output,
 in c; `draft.ttt_passes` passes; tested like the policy's) come after the policy backward has freed its
@@ -103,7 +105,7 @@ ITEMS = {  # MemoryPlan field -> its row in the table; the total is their sum
     "reference": "KL reference policy (frozen, float32)",
     "draft": "draft (EAGLE-3) + its optimizer",
     "activations": "activations",
-    "logits": "logits chunk + lm_head grad (float32)",
+    "logits": "logits chunk beyond the layers' backward + lm_head grad (float32)",
     "draft_inputs": "draft taps + teacher",
     "draft_update": "draft update beyond the freed activations",
     "engine": "rollout engine",
@@ -278,10 +280,18 @@ def policy_activation_bytes(cfg: LlamaConfig, p: Precision, layers: int, tokens:
     return tokens * (kept + outside_activation_bytes(cfg, p))
 
 
-def logits_bytes(cfg: LlamaConfig, tokens: int) -> int:
+def logits_bytes(cfg: LlamaConfig, tokens: int, layers_backward: int) -> int:
     """One chunk of float32 logits and a temporary of its size, and the lm_head gradient the chunked backward
-    accumulates in float32 (`ops.chunked_logprobs`)."""
-    return min(tokens, LOGITS_CHUNK_TOKENS) * cfg.vocab_size * 2 * FP32 + FP32 * cfg.vocab_size * cfg.hidden_size
+    accumulates in float32 (`ops.chunked_logprobs`). The chunk is freed before the layers' backward starts, so
+    it adds only what exceeds `layers_backward`, the bytes the activations row counts for that backward."""
+    chunk = min(tokens, LOGITS_CHUNK_TOKENS) * cfg.vocab_size * 2 * FP32
+    return max(0, chunk - layers_backward) + FP32 * cfg.vocab_size * cfg.hidden_size
+
+
+def layers_backward_bytes(cfg: LlamaConfig, p: Precision, tokens: int, checkpointed: bool) -> int:
+    """What the activations row adds for the layers' backward: one layer of gradients in flight and, checkpointed,
+    the layer being recomputed."""
+    return tokens * layer_activation_bytes(cfg, p) * (2 if checkpointed else 1)
 
 
 def draft_input_bytes(d: Eagle3Config, p: Precision, tokens: int) -> int:
@@ -415,7 +425,8 @@ def plan_memory(x: PlanInputs) -> MemoryPlan:
     full = policy_activation_bytes(cfg, p, x.share.layers, t, checkpointed=False)
     checkpointed = policy_activation_bytes(cfg, p, x.share.layers, t, checkpointed=True)
     activations = checkpointed if x.checkpointing else full
-    logits = logits_bytes(cfg, t) if x.share.head else 0
+    layers_backward = layers_backward_bytes(cfg, p, t, x.checkpointing)
+    logits = logits_bytes(cfg, t, layers_backward) if x.share.head else 0
     gathered = gathered_bytes(x)
     trained = x.draft is not None and x.draft_trained
     draft_inputs = draft_input_bytes(x.draft, p, t) if trained else 0
@@ -699,7 +710,7 @@ def _notes(plan: MemoryPlan) -> dict[str, str]:
         "draft": "none" if d is None else f"{16 if x.draft_trained else 4} B x {_count(draft_parameters(d))} / {s}",
         "activations": _activations_note(x),
         "logits": "none" if not plan.logits else f"{min(x.tokens, LOGITS_CHUNK_TOKENS)} tokens x {x.policy.vocab_size}"
-        f" x 8 B + lm_head grad {x.policy.vocab_size} x {x.policy.hidden_size} x 4 B",
+        f" x 8 B less the layers' backward, + lm_head grad {x.policy.vocab_size} x {x.policy.hidden_size} x 4 B",
         "draft_inputs": "none" if not plan.draft_inputs else
         f"{x.tokens} tokens x ({len(d.tap_layers) + 1} x {d.target_hidden_size} x {x.precision.residual} B"
         f" + {d.draft_vocab_size} x 4 + 8 B)",

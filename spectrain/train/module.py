@@ -275,6 +275,7 @@ class GRPOModule(L.LightningModule):
         backward, the taps to the draft's hook; then the update's optimizer step. Callbacks then get the
         `StepResult`: `DraftCoTraining` steps the draft, `WeightSync` syncs both models to the engine."""
         g = self.config.grpo
+        step_number = self.current_step  # the last update's optimizer step advances `global_step`
         self.seed_sampling("train")
         completions, rewards, rollout = self.rollout(examples, self.config.rollout.group_size, train_in_tail=True)
         assert all(len(c.logprobs) == len(c.token_ids) for c in completions), (
@@ -315,7 +316,7 @@ class GRPOModule(L.LightningModule):
         clip_fraction, kl, diff_sum, diff_count = self.trainer.strategy.reduce(torch.stack([
             mean("clip_fraction").double(), mean("kl").double(), mismatch.double().sum(),
             torch.tensor(mismatch.numel(), dtype=torch.float64, device=mismatch.device)]), reduce_op="sum").tolist()
-        step = StepResult(self.current_step, rollout, rewards, batch, len(updates), mean("loss").item(),
+        step = StepResult(step_number, rollout, rewards, batch, len(updates), mean("loss").item(),
                           mean("grad_norm").item(), clip_fraction, kl,
                           diff_sum / diff_count if diff_count else float("nan"))
         scheduler = self.policy_lr_scheduler()

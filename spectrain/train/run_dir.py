@@ -83,7 +83,9 @@ class RunDir:
     # engine's KV cache, micro-batches, activation checkpointing: the same step to rounding), not change what it trains
     RESUME_FREE_KEYS = ("trainer.max_steps", "trainer.progress_bar", "trainer.resume", "trainer.log_every_n_steps",
                         "trainer.checkpoint_every_n_steps", "trainer.run_dir", "trainer.warmstart_dir",
-                        "rollout.kv_cache_gib", "grpo.micro_batch_tokens", "policy.activation_checkpointing")
+                        "rollout.kv_cache_gib", "grpo.micro_batch_tokens", "policy.activation_checkpointing",
+                        "trainer.logger", "trainer.project_name", "trainer.experiment_name",
+                        "trainer.log_samples_every_n_steps", "trainer.log_samples_n")
 
     def _check_same_config(self) -> None:
         differences = self._config_differences()

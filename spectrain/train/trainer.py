@@ -7,7 +7,6 @@ task, the models or the engine; extra callbacks come from the config
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import math
 import random
 import time
@@ -18,7 +17,6 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch.utils.data import DataLoader, IterableDataset
 
 from spectrain.config import SpecTrainConfig
@@ -30,6 +28,7 @@ from spectrain.models.llama import LlamaForCausalLM
 from spectrain.train import inputs
 from spectrain.train.memory_plan import check_memory_plan
 from spectrain.train.module import GRPOModule
+from spectrain.train.loggers import build_loggers, check_loggers
 from spectrain.train.run_dir import RunDir, check_writable, drop_logged_steps
 from spectrain.parallel.fsdp import unsharded_copy
 from spectrain.parallel.mesh import world_size
@@ -185,8 +184,8 @@ class SpecTrainer:
         prepare_process_groups()
 
     def build_callbacks(self) -> list[Callback]:
-        from spectrain.callbacks import (AcceptanceLengthLogger, DraftCoTraining, HeldOutEval, RunHistory, StopOnSignal,
-                                         WeightSync)
+        from spectrain.callbacks import (AcceptanceLengthLogger, DraftCoTraining, HeldOutEval, RunHistory,
+                                         SampleGenerations, StopOnSignal, WeightSync)
 
         d = self.config.draft
         callbacks: list[Callback] = []
@@ -204,6 +203,9 @@ class SpecTrainer:
         if self.config.trainer.eval_every_n_steps:  # after WeightSync: it evaluates the step's weights
             callbacks.append(HeldOutEval(self.eval_examples(), self.config.trainer.eval_every_n_steps,
                                          self.config.rollout.eval_samples, warmstart=self.warm_eval))
+        if self.config.trainer.log_samples_every_n_steps:
+            callbacks.append(SampleGenerations(self.config.trainer.log_samples_every_n_steps,
+                                               self.config.trainer.log_samples_n))
         callbacks += self.recipe_callbacks
         callbacks += self.extra_callbacks
         # one last.ckpt, also when StopOnSignal wrote it (no last-v1.ckpt beside it)
@@ -215,12 +217,8 @@ class SpecTrainer:
         return callbacks + [RunHistory(), StopOnSignal(str(self.run.last_checkpoint))]
 
     def build_logger(self):
-        t = self.config.trainer
-        if t.logger == "tensorboard":
-            return TensorBoardLogger(save_dir=str(self.run_dir), name="logs")
-        # one version_N folder per (resumed) segment: Lightning rewrites a CSV whose columns change. Rows are
-        # written every step, so a killed run keeps them (a resume drops those of the steps it re-runs).
-        return CSVLogger(save_dir=str(self.run_dir), name="logs", flush_logs_every_n_steps=1)
+        """The `trainer.logger` loggers (spectrain/train/loggers.py), False for none (`console` alone, or [])."""
+        return build_loggers(self.config, self.run_dir, rank_zero=self.is_rank_zero) or False
 
     # the run ------------------------------------------------------------------------------
     def fit(self) -> FitResult:
@@ -333,10 +331,7 @@ class SpecTrainer:
         self.recipe_callbacks = [_instantiate(i, spec) for i, spec in enumerate(self.config.trainer.callbacks)]
 
     def _check_logger(self) -> None:
-        if self.config.trainer.logger == "tensorboard" and not any(
-                importlib.util.find_spec(m) for m in ("tensorboard", "tensorboardX")):
-            raise ConfigError("trainer.logger: tensorboard needs the tensorboard package; pip install tensorboard, "
-                              "or set trainer.logger=csv")
+        check_loggers(self.config)  # a missing package (wandb, mlflow, tensorboard) names what to install
 
     def _check_engine_inputs(self, pretrained) -> None:
         """What vLLM would refuse only when it starts, or at the first rollout: after the warm start."""

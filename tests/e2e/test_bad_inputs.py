@@ -155,7 +155,7 @@ ROWS = [
     ("negative steps", [*FIT, NEW, "trainer.max_steps=-1"], r"trainer\.max_steps: is -1", None),
     ("negative seed", [*FIT, NEW, "trainer.seed=-1"], r"trainer\.seed: is -1", None),
     ("unknown resume", [*FIT, NEW, "trainer.resume=sometimes"], r"trainer\.resume: 'sometimes'", None),
-    ("unknown logger", [*FIT, NEW, "trainer.logger=wandb"], r"trainer\.logger: 'wandb'", None),
+    ("unknown logger", [*FIT, NEW, "trainer.logger=foo"], r"trainer\.logger: 'foo'", None),
     ("empty run dir name", [*FIT, "trainer.run_dir=' '"], r"trainer\.run_dir: is empty", None),
     ("cache is the run dir", [*FIT, NEW, "trainer.warmstart_dir=new"], r"trainer\.warmstart_dir: is the run dir",
      None),

@@ -36,11 +36,11 @@ class CallRecorder(Callback):
         self._record("fit_start", trainer.global_step)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._record("train_batch_end", trainer.global_step)
+        self._record("train_batch_end", trainer.global_step, result_step=outputs["step"].step)
 
-    def _record(self, hook: str, step: int) -> None:
+    def _record(self, hook: str, step: int, **more) -> None:
         with self.path.open("a") as f:
-            f.write(json.dumps({"hook": hook, "step": step, "tag": self.tag}) + "\n")
+            f.write(json.dumps({"hook": hook, "step": step, "tag": self.tag, **more}) + "\n")
 
 
 @pytest.fixture(scope="session")
@@ -130,14 +130,17 @@ def test_warm_start_teaches_the_answer_of_a_row_without_target(tmp_path):
 
 
 @pytest.mark.slow
-def test_bandit_user_recipe_with_jsonl_task_tensorboard_and_callback(tmp_path, capsys):
+def test_bandit_user_recipe_with_jsonl_task_tensorboard_mlflow_and_callback(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # the run directory's own file store
     prompts = write_readme_jsonl(tmp_path / "prompts.jsonl", rows=64)
     calls = tmp_path / "calls.jsonl"
     recipe = tmp_path / "my_bandit.yaml"
     recipe.write_text(f"defaults: [tiny_cpu_bandit]\n"
                       f"task: {{name: files}}\ndata: {{train_files: {prompts}}}\n"
                       f"trainer:\n"
-                      f"  logger: tensorboard\n"
+                      f"  logger: [tensorboard, mlflow]\n"
+                      f"  log_samples_every_n_steps: 1\n"
+                      f"  log_samples_n: 2\n"
                       f"  callbacks:\n"
                       f"    - {{target: test_recipes.CallRecorder, args: {{path: {calls}, tag: from-recipe}}}}\n")
     run = tmp_path / "run"
@@ -154,10 +157,22 @@ def test_bandit_user_recipe_with_jsonl_task_tensorboard_and_callback(tmp_path, c
     assert not list((run / "logs").glob("version_*/metrics.csv"))
     assert_rewards_in_unit_interval(summary, scalars["reward"])
     assert_speculation_accepts(scalars["spec/mean_acceptance_length"])
+    # MLflow (a file store in the run directory) holds the same rewards, and a sample table per step
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient((run / "mlruns").resolve().as_uri())
+    run_id = json.loads((run / "logger_ids.json").read_text())["mlflow"]
+    assert [m.value for m in client.get_metric_history(run_id, "reward")] == pytest.approx(scalars["reward"])
+    assert [a.path for a in client.list_artifacts(run_id, "samples")] == ["samples/step_000001.json",
+                                                                          "samples/step_000002.json"]
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [1, 1, 2, 2] and all(0 <= s["reward"] <= 1 for s in samples)
+    assert all(s["prompt"] and s["completion_tokens"] >= 1 for s in samples)
 
     recorded = [json.loads(line) for line in calls.read_text().splitlines()]
     assert recorded[0] == {"hook": "fit_start", "step": 0, "tag": "from-recipe"}
-    assert [r["step"] for r in recorded if r["hook"] == "train_batch_end"] == [1, 2]
+    ends = [r for r in recorded if r["hook"] == "train_batch_end"]
+    assert [(r["step"], r["result_step"]) for r in ends] == [(1, 1), (2, 2)]  # StepResult.step counts from 1
 
     # the controller's plays per (batch bucket, arm), checkpointed: it tried more than one k
     counts = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["speculation_controller"]["selector"]["counts"]

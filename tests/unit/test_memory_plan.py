@@ -85,7 +85,12 @@ def test_plan_matches_the_hand_computed_numbers(tmp_path):
     outside = 8 + 2 * 16 * 2 + (6 * 64 + 4) + 2 * 64 + 4  # input id, rotary tables, final norm, lm_head input, lse
     assert plan.activations == plan.activations_full == t * ((4 + 1) * per_layer + outside)
     assert plan.activations_checkpointed == t * (4 * 2 * 64 + 2 * per_layer + outside)
-    assert plan.logits == 512 * 1000 * 8 + 1000 * 64 * 4  # fewer tokens than a 4096-token chunk; lm_head grad
+    # fewer tokens than a 4096-token chunk, freed before the layers' backward (one layer of gradients in flight,
+    # counted in the activations); the lm_head grad
+    assert plan.logits == 512 * 1000 * 8 - t * per_layer + 1000 * 64 * 4
+    # checkpointed, the recomputed layer also comes after the chunk is freed
+    checkpointed = tiny_plan(tmp_path, "policy.activation_checkpointing=true")
+    assert checkpointed.logits == 512 * 1000 * 8 - 2 * t * per_layer + 1000 * 64 * 4
     assert plan.draft_inputs == t * ((3 + 1) * 64 * 2 + 100 * 4 + 8)  # 3 taps + embedding (bf16), teacher, top-1
     assert plan.draft_update == 0  # 3 passes need less than the policy backward freed
     assert plan.engine == int(0.6 * GIB) and plan.reserved == 2 * GIB
@@ -106,6 +111,13 @@ def test_unsharded_bf16_plan_replicates_the_state_and_caches_bf16_weights(tmp_pa
     assert (plan.parameters, plan.optimizer, plan.reference) == (4 * p, 8 * p, 4 * p)  # every rank holds all
     assert plan.gathered == 2 * p  # autocast's bf16 copy of every trainable weight
     assert plan.inputs.precision == mp.Precision(residual=4, compute=2)  # the residual stream stays float32
+
+
+def test_a_logits_chunk_smaller_than_the_layers_backward_adds_only_the_lm_head_gradient(tmp_path):
+    """The chunk's backward runs before any layer's: the peak is the larger of the two, not their sum."""
+    cfg = mp.policy_architecture(load_config("tiny_cpu", []))
+    assert mp.logits_bytes(cfg, 100, layers_backward=10**9) == 4 * cfg.vocab_size * cfg.hidden_size
+    assert mp.logits_bytes(cfg, 100, layers_backward=0) == 100 * cfg.vocab_size * 8 + 4 * cfg.vocab_size * cfg.hidden_size
 
 
 def test_the_logits_chunk_is_the_chunked_log_softmax_default():
@@ -284,9 +296,9 @@ def qwen3(tmp_path, *overrides):
 
 
 def test_check_memory_plan_names_the_key_when_the_gpu_is_too_small(tmp_path, monkeypatch):
-    fake_gpu(monkeypatch, 70)
+    fake_gpu(monkeypatch, 60)
     config = qwen3(tmp_path)
-    with pytest.raises(ConfigError, match=r"Fake GPU \(70.00 GiB\).*set rollout\.gpu_memory_utilization=0\.\d+") as err:
+    with pytest.raises(ConfigError, match=r"Fake GPU \(60.00 GiB\).*set rollout\.gpu_memory_utilization=0\.\d+") as err:
         mp.check_memory_plan(config)
     value = re.search(r"rollout\.gpu_memory_utilization=(0\.\d+)", str(err.value)).group(1)
     mp.check_memory_plan(load_config("qwen3_gsm8k", [f"policy.path={config.policy.path}", *DATA,
