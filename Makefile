@@ -3,16 +3,19 @@ PY := .venv/bin/python
 RECIPE ?= tiny_cpu
 ARGS ?=
 
-.PHONY: setup demo test test-fast
+.PHONY: setup demo test test-fast lint
 
 setup:
 	@bash scripts/setup_venv.sh
 
 demo: setup
-	$(PY) -m spectrain.cli fit $(RECIPE) $(ARGS)
+	$(PY) -m spectrain fit $(RECIPE) $(ARGS)
 
-test: setup
+lint: setup
+	.venv/bin/ruff check .
+
+test: lint
 	$(PY) -m pytest -q -ra
 
-test-fast: setup
+test-fast: lint
 	$(PY) -m pytest -q -ra -m "not slow"

@@ -52,6 +52,7 @@ from spectrain.rollout.speculation.controllers import BanditController, Concurre
 from spectrain.rollout.speculation.rule import ConcurrencyAwareRule
 from spectrain.rollout.step_loop import SpecController, StepLoopResult, StepRecord, generate_stepwise
 from spectrain.rollout.vllm.engine import VLLMRolloutEngine
+from spectrain.tasks.rewards import per_sample
 from spectrain.train.draft_update import draft_update
 from spectrain.train.module import GRPOModule
 
@@ -74,7 +75,8 @@ class BenchOptions:
     repeats: int = 5  # throughput rounds (short rollouts: many interleaved rounds beat a noisy machine)
     draft_steps: int = 120
     draft_batch: int = 4
-    draft_len: int = 72  # tokens per training sequence (greedy outputs of the policy): cover every position the rollout reaches
+    # tokens per training sequence (greedy outputs of the policy): cover every position the rollout reaches
+    draft_len: int = 72
     ttt_passes: int = 3  # TTT passes when training the draft (it still proposes up to k_max)
     bandit_arms: str = "0,1,2,3,5"
     bandit_edges: str = "4,16,64"
@@ -274,7 +276,7 @@ class StepRecorder(Callback):
         spot = pl_module.stepwise.metrics
         self.records.append({"step_s": step_s, "rollout_s": stats.seconds, "sync_s": self.sync.seconds,
                              "train_s": step_s - stats.seconds - self.sync.seconds,
-                             "spot_steps": spot.get("spot/draft_steps", 0.0), "spot_s": spot.get("spot/seconds", 0.0),
+                             "spot_steps": spot.get("spot/draft_updates", 0.0), "spot_s": spot.get("spot/seconds", 0.0),
                              "acceptance_length": stats.spec.mean_acceptance_length})
 
 
@@ -292,7 +294,7 @@ def e2e_config(opts: BenchOptions, budget: int, long_tail: bool, work: Path):
         "draft.grad_clip=1.0", f"draft.num_speculative_tokens={opts.k_max}",
         "speculation.mode=concurrency", f"speculation.verify_budget={budget}",
         f"speculation.long_tail.enabled={long_tail}", f"speculation.long_tail.threshold={opts.long_tail_threshold}",
-        f"speculation.long_tail.max_steps={opts.long_tail_max_steps}"])
+        f"speculation.long_tail.max_updates={opts.long_tail_max_steps}"])
 
 
 def run_grpo(opts: BenchOptions, engine, policy_dir: Path, draft_dir: Path, budget: int, long_tail: bool,
@@ -303,7 +305,7 @@ def run_grpo(opts: BenchOptions, engine, policy_dir: Path, draft_dir: Path, budg
     lengths = long_tailed_lengths(opts, len(prompts), opts.seed + 7)
     lengths[-1] = opts.max_tokens  # one straggler prompt: the long tail spot training is for
     module = LongTailedGRPOModule(config, load_pretrained(policy_dir), load_draft(draft_dir), TokenIds(),
-                                  even_token_share, max_tokens=lengths, engine=engine)
+                                  per_sample(even_token_share), max_tokens=lengths, engine=engine)
     d = config.draft
     sync = TimedWeightSync(check_alive=False)  # no drafter probes: the toy draft's acceptance may well swing
     recorder = StepRecorder(sync)
@@ -427,10 +429,12 @@ def markdown(data: dict) -> str:
         f"| {b} | {room['tokens_by_bucket'].get(b, 0)} | "
         + " | ".join(f"{per_k[str(k)]:.1f}" if str(k) in per_k else "-" for k in ks) + " |"
         for b, per_k in sorted(room["ms_per_token"].items(), key=lambda item: int(item[0].rstrip("+").split("-")[0])))
+    machine_line = (f"Machine: {data['machine']}, {data['threads']} torch threads; "
+                    f"load average (1, 5, 15 min) {data['load_average_start']} at start,")
     return f"""# Adaptive speculation benchmark
 
 `{data['command']}`: one process, {data['seconds']:.0f} s wall, {data['cpu_seconds']:.0f} s CPU.
-Machine: {data['machine']}, {data['threads']} torch threads; load average (1, 5, 15 min) {data['load_average_start']} at start,
+{machine_line}
 {data['load_average_end']} at end (the benchmark itself keeps {data['threads']} threads busy; a start load near
 0 means nothing else ran). Absolute numbers only compare within one run.
 
@@ -497,7 +501,8 @@ def ensure_draft(opts: BenchOptions, plain, policy, draft_dir: Path | None, work
     """The given draft, or one trained with TTT on the policy's greedy outputs (from the plain engine)."""
     if draft_dir is not None:
         return draft_dir, None
-    data = plain.generate(random_prompts(128, opts.seed + 1), SamplingConfig(max_tokens=opts.draft_len, temperature=0.0))
+    data = plain.generate(random_prompts(128, opts.seed + 1),
+                          SamplingConfig(max_tokens=opts.draft_len, temperature=0.0))
     draft = Eagle3Draft(Eagle3Config.from_policy(policy.cfg))
     top1 = [round(a, 2) for a in train_draft(draft, policy, data, opts)]
     return export_draft(draft, work / "draft", policy.cfg), top1

@@ -67,6 +67,11 @@ def summarise(histories: dict[str, list[dict]]) -> dict:
     return out
 
 
+# the header row of the report's Markdown table, too long for one source line
+OPTIONS_TABLE_HEADER = ("| option | acceptance, first 5 steps | acceptance, last quarter | "
+                        "min per-step acceptance / frozen | draft loss after the first update | draft loss, max |")
+
+
 def write_report(out: Path, histories: dict, summary: dict, options: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "draft_optimizer.json").write_text(json.dumps(
@@ -77,7 +82,8 @@ def write_report(out: Path, histories: dict, summary: dict, options: dict) -> No
                  ("draft loss (online updates)", {k: v for k, v in series("draft/loss").items()
                                                   if k != "frozen draft"})])
     rows = "\n".join(f"| {label} | {s['acceptance_first_5']:.2f} | {s['acceptance_last_quarter']:.2f} | "
-                     f"{s['min_acceptance_over_frozen']:.2f} | {s['draft_loss_after_first_update']:.3f} | {s['draft_loss_max']:.3f} |"
+                     f"{s['min_acceptance_over_frozen']:.2f} | {s['draft_loss_after_first_update']:.3f} | "
+                     f"{s['draft_loss_max']:.3f} |"
                      for label, s in summary.items())
     (out / "draft_optimizer.md").write_text(f"""# Online draft optimizer options
 
@@ -86,7 +92,7 @@ def write_report(out: Path, histories: dict, summary: dict, options: dict) -> No
 draft warm-up at `draft.warmup_lr`), the same seeds. Acceptance is vLLM's mean acceptance length per step; the
 draft loss is each online update's, on its own step's rollout (none for the frozen draft).
 
-| option | acceptance, first 5 steps | acceptance, last quarter | min per-step acceptance / frozen | draft loss after the first update | draft loss, max |
+{OPTIONS_TABLE_HEADER}
 |---|---|---|---|---|---|
 {rows}
 
@@ -99,7 +105,8 @@ def main(args: list[str]) -> int:
     try:  # a bad recipe or override fails here, before any run
         load_config(options["recipe"], overrides)
     except ConfigError as exc:
-        raise ConfigError(f"bench draft_optimizer: {exc} (the benchmark's own options: {', '.join(DEFAULTS)})") from None
+        raise ConfigError(f"bench draft_optimizer: {exc} "
+                          f"(the benchmark's own options: {', '.join(DEFAULTS)})") from None
     work = Path(options["work"])
     histories = {}
     for label in OPTIONS:

@@ -282,6 +282,13 @@ def iqr_text(q: dict, fmt: str) -> str:
     return f"{q['median']:{fmt}} ({q['q1']:{fmt}}..{q['q3']:{fmt}})"
 
 
+# the header row of the report's Markdown table, too long for one source line
+SCENARIO_TABLE_HEADER = ("| scenario | seeds | acceptance at end, co-trained | frozen | co-trained / frozen at end | "
+                         "min co-trained / frozen after the first update | min co-trained acceptance | "
+                         "draft share of step | step s co-trained / frozen (median) | KL to warm start at end | "
+                         "feature shift at end | response length at end | train reward at end, co-trained / frozen |")
+
+
 def markdown(payload: dict) -> str:
     o, summary = payload["options"], payload["summary"]
     rows = "\n".join(
@@ -306,7 +313,7 @@ and seed): **same_task**, warm start and RL on the recipe's task; **domain_shift
 Acceptance at the end: mean over the last tenth of the steps; minima: over the trailing mean of each curve
 (window in drift.json) from the second step on, the first rollout after an online update.
 
-| scenario | seeds | acceptance at end, co-trained | frozen | co-trained / frozen at end | min co-trained / frozen after the first update | min co-trained acceptance | draft share of step | step s co-trained / frozen (median) | KL to warm start at end | feature shift at end | response length at end | train reward at end, co-trained / frozen |
+{SCENARIO_TABLE_HEADER}
 |---|---|---|---|---|---|---|---|---|---|---|---|---|
 {rows}
 

@@ -307,6 +307,11 @@ def _phase_table(point: dict) -> str:
     return "\n".join(rows)
 
 
+# the header row of the report's Markdown table, too long for one source line
+ROLLOUT_TABLE_HEADER = ("| rollout | documents | tokens | micro-batches (after) | peak before (MiB) | "
+                        "peak after (MiB) | RSS growth before / after (MiB) | planner before / after (MiB) |")
+
+
 def markdown(o: dict, points: list[dict], h: dict, s: dict, label: str, command: str) -> str:
     rows = []
     for scale in o["scales"]:
@@ -336,7 +341,7 @@ clip and AdamW step, then the draft's.
 The sizes make activations, logits and the draft's inputs the bulk of the step while the whole benchmark takes
 a minute or two on 2 cores.
 
-| rollout | documents | tokens | micro-batches (after) | peak before (MiB) | peak after (MiB) | RSS growth before / after (MiB) | planner before / after (MiB) |
+{ROLLOUT_TABLE_HEADER}
 |---|---|---|---|---|---|---|---|
 {chr(10).join(rows)}
 

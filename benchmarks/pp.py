@@ -198,6 +198,11 @@ def summarise(ranks: list[dict]) -> dict:
     return out
 
 
+# the header row of the report's Markdown table, too long for one source line
+SCHEDULE_TABLE_HEADER = ("| schedule | mode | wall s median (min .. max) | CPU s median | wall vs no_taps | "
+                         "CPU vs no_taps | tap calls ms, stage 0 / last (share) | draft update s |")
+
+
 def write_report(out_dir: Path, o: dict, ranks: list[dict], summary: dict, label: str) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {"machine": label, "options": o, "tokens_per_microbatch": ranks[0]["tokens_per_microbatch"],
@@ -251,7 +256,7 @@ gradient reduction and global clip; {o['rounds']} interleaved rounds after a war
   stage, and the larger as a share of the `no_taps` step: the time the transport itself
   takes from a stage.
 
-| schedule | mode | wall s median (min .. max) | CPU s median | wall vs no_taps | CPU vs no_taps | tap calls ms, stage 0 / last (share) | draft update s |
+{SCHEDULE_TABLE_HEADER}
 |---|---|---|---|---|---|---|---|
 {chr(10).join(rows)}
 

@@ -56,7 +56,8 @@ class AcceptanceLengthLogger(HistoryCallback):
         steps = [r["step"] for r in self.history]
         positions = sorted(k for k in self.history[-1] if k.startswith("pos_"))
         return plot_panels(path, "speculative decoding per step", [
-            ("mean acceptance length", {"acceptance length": (steps, [r["mean_acceptance_length"] for r in self.history])}),
+            ("mean acceptance length",
+             {"acceptance length": (steps, [r["mean_acceptance_length"] for r in self.history])}),
             ("acceptance rate by draft position", {
                 k.removesuffix("_rate"): (steps, [r.get(k, 0.0) for r in self.history]) for k in positions}),
         ])

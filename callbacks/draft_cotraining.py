@@ -74,7 +74,8 @@ class DraftCoTraining(Callback):
             return
         started = time.perf_counter()
         # Under PP the ranks without the draft's taps add zeros to the sums.
-        update = self._grads.finish(self.grad_clip, sum_over_ranks=lambda t: trainer.strategy.reduce(t, reduce_op="sum"),
+        update = self._grads.finish(self.grad_clip,
+                                    sum_over_ranks=lambda t: trainer.strategy.reduce(t, reduce_op="sum"),
                                     reduce_gradients=pl_module.plan.reduce_gradients,
                                     share_dtype=pl_module.teacher_dtype)
         self._grads = None

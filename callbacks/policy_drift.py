@@ -8,7 +8,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from spectrain.models.eagle3 import default_aux_layers
+from spectrain.models.eagle3 import default_tap_layers
 from spectrain.models.hf_io import load_pretrained
 from spectrain.parallel.plan import LocalPlan
 
@@ -95,7 +95,7 @@ class PolicyDrift(Callback):
     def measure(self, pl_module, batch) -> dict[str, float]:
         policy = pl_module.policy
         taps = tuple(pl_module.draft.cfg.tap_layers) if pl_module.draft is not None \
-            else default_aux_layers(policy.cfg.num_hidden_layers)
+            else default_tap_layers(policy.cfg.num_hidden_layers)
         out = policy(batch.input_ids, batch.position_ids, batch.cu_seqlens, tap_layers=taps)
         ref = self.reference(batch.input_ids, batch.position_ids, batch.cu_seqlens, tap_layers=taps)
         mask = batch.response_mask

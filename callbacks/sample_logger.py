@@ -65,8 +65,9 @@ class SampleGenerations(Callback):
             response = mask[start:end].nonzero()
             # position t predicts token t + 1: the completion starts one after the first response position
             first = start + int(response[0]) + 1 if response.numel() else end
-            rows.append([step.step, tokenizer.decode(ids[start:first].tolist()), tokenizer.decode(ids[first:end].tolist()),
-                         None if rewards is None else float(rewards[i]), float(b.advantages[start]), end - first, accept])
+            prompt, completion = tokenizer.decode(ids[start:first].tolist()), tokenizer.decode(ids[first:end].tolist())
+            reward = None if rewards is None else float(rewards[i])
+            rows.append([step.step, prompt, completion, reward, float(b.advantages[start]), end - first, accept])
         return rows
 
 

@@ -158,7 +158,8 @@ class WeightSync(Callback):
         if spec.num_accepted_tokens > 0 and gain >= threshold:
             return
         numbers = (f"acceptance length {'is' if baseline is None else 'fell to'} {spec.mean_acceptance_length:.2f} "
-                   f"over {spec.num_drafts} drafts" + ("" if baseline is None else f" (recent median {1 + baseline:.2f})"))
+                   f"over {spec.num_drafts} drafts"
+                   + ("" if baseline is None else f" (recent median {1 + baseline:.2f})"))
         problems = self._probe(trainer, pl_module, "draft", self._draft_sent)
         if problems:
             self._dead(trainer, pl_module, f"after draft sync version {self.draft_version} {numbers}, and the drafter "

@@ -17,6 +17,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from spectrain import console
 from spectrain.config import DEFAULT_RECIPE, load_config, packaged_recipe_dir, to_yaml
 from spectrain.errors import ConfigError, InputWarning, SpecTrainError
 
@@ -143,7 +144,8 @@ def _calibrate(args) -> int:
     result, path = calibrate(load_config(args.recipe, args.overrides))
     for n, t, per in zip(result.token_counts, result.times_s, result.per_token_s):
         print(f"  {n:5d} tokens/step  {1e3 * t:8.2f} ms  {1e6 * per:8.1f} us/token")
-    note = "" if result.compute_bound_reached else " (the fitted counts start below C: extend the sweep; the slope, and so C, may be off)"
+    note = ("" if result.compute_bound_reached else
+            " (the fitted counts start below C: extend the sweep; the slope, and so C, may be off)")
     print(f"verify budget C = {result.verify_budget} tokens per target forward{note}; written to {path}")
     return 0
 
@@ -183,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spectrain", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true",
                         help="raise errors with their traceback instead of printing one line")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show vLLM's, Lightning's and torch's own start-up logs and warnings (hidden by default)")
     sub = parser.add_subparsers(dest="command", required=True)
     fit = sub.add_parser("fit", help="run GRPO with online draft co-training from a recipe",
                          formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -197,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("recipe", nargs="?", default=None if p is fit else DEFAULT_RECIPE,
                        help=f"recipe name or YAML path (default {DEFAULT_RECIPE}; `spectrain recipes` lists them)")
         p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.max_steps=5")
+        p.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
+                       help="show vLLM's, Lightning's and torch's own logs and warnings")
     plan.add_argument("--gpu-memory", type=float, default=80.0, metavar="GiB",
                       help="memory of one GPU in GiB (default 80)")
     fit.set_defaults(func=_fit)
@@ -214,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.verbose:
+        os.environ[console.VERBOSE_ENV] = "1"
+    console.quiet_third_party_output()  # again for in-process callers: what is not read at import still applies
     recipe = getattr(args, "recipe", None)
     if recipe is not None and "=" in recipe and not Path(recipe).is_file():  # `fit key=value`: an override, no recipe
         args.overrides, args.recipe = [recipe, *args.overrides], None if args.command == "fit" else DEFAULT_RECIPE

@@ -12,10 +12,9 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from spectrain.tasks.tokenizer import CharTokenizer  # noqa: E402
 from spectrain.models.hf_io import save_pretrained  # noqa: E402
+from spectrain.tasks.tokenizer import CharTokenizer  # noqa: E402
 from tests.helpers import tiny_policy  # noqa: E402
-
 
 NO_GPU_REASON = ("needs a CUDA GPU and this machine has none (the same checks run on CPU under TRITON_INTERPRET=1; "
                  "scripts/gpu_check.sh runs the gpu-marked tests on a GPU and fails on any skip)")

@@ -22,6 +22,7 @@ from spectrain.config.schema import DEFAULT_RECIPE, SpecTrainConfig
 from spectrain.config.validation import validate
 from spectrain.errors import ConfigError
 
+
 def packaged_recipe_dir() -> Path:
     return Path(str(resources.files("spectrain.recipes")))
 
@@ -69,7 +70,8 @@ def _load_with_defaults(path: Path, seen: tuple[Path, ...] = ()) -> list[DictCon
 # keys that were renamed: a recipe that still uses the old name is told the new one
 RENAMED_KEYS = {"draft.aux_layer_ids": "draft.tap_layers", "draft.ttt_steps": "draft.ttt_passes",
                 "task.path": "data.train_files", "task.on_bad_row": "data.on_bad_row", "task.reward": "reward.name",
-                "task.partial_credit": "reward.partial_credit"}
+                "task.partial_credit": "reward.partial_credit",
+                "speculation.long_tail.max_steps": "speculation.long_tail.max_updates"}
 RENAMED_VALUES = {("task.name", "jsonl"): "files"}  # a recorded value under its new name
 # keys that were removed: a recipe that still sets one is told why, and what to use instead
 REMOVED_KEYS = {"sft.eval_prompts": "nothing ever read it; the held-out evaluation's prompt count is "

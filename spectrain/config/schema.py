@@ -150,7 +150,8 @@ class DraftConfig:
     grad_clip: float = 1.0
     every_n_steps: int = 1
     pass_decay: float = 0.8
-    loss_kernel: str = "auto"  # auto (triton on CUDA, else torch) | torch | chunked | triton: the draft's lm_head + soft CE
+    # the draft's lm_head + soft CE: auto (triton on CUDA, else torch) | torch | chunked | triton
+    loss_kernel: str = "auto"
     warmup_steps: int = 0  # offline draft warm-up on the warm-started policy before RL
     check_alive: bool = True  # after each draft sync: acceptance must not collapse (see `collapse_ratio`)
     collapse_ratio: float = 0.5  # acceptance gain (length - 1) below this share of the recent median: check the drafter
@@ -167,7 +168,8 @@ class ParallelConfig:
     pp: int = 1
     pp_schedule: str = "1F1B"
     microbatches: int = 2
-    fsdp: bool = False  # shard the policy and the draft over dp (FSDP2 fully_shard): each rank keeps 1/(dp x cp) of them
+    # shard the policy and the draft over dp (FSDP2 fully_shard): each rank keeps 1/(dp x cp) of them
+    fsdp: bool = False
 
 
 @dataclass
@@ -183,7 +185,7 @@ class BanditConfig:
 class LongTailConfig:
     enabled: bool = False  # train the draft while the rollout's long tail leaves capacity idle
     threshold: int = 4
-    max_steps: int = 4
+    max_updates: int = 4  # spot updates of the draft per rollout, at most
 
 
 @dataclass
@@ -216,19 +218,27 @@ class TrainerConfig:
     log_samples_n: int = 4  # completions in that table
     log_every_n_steps: int = 1
     eval_every_n_steps: int = 10  # held-out reward every N steps (0: only before and after training)
-    checkpoint_every_n_steps: int = 5
+    checkpoint_every_n_steps: int = 5  # checkpoints/last.ckpt, rewritten every N steps
+    # also keep the newest N checkpoints of those steps as checkpoints/step_NNNNNN.ckpt (0: none, -1: all)
+    keep_checkpoints: int = 0
+    # policy (HF) + draft (EAGLE-3) as vLLM loads them, in exports/step_NNNNNN/ every N steps (0: only final/)
+    export_every_n_steps: int = 0
+    keep_exports: int = -1  # the newest N exports stay (-1: all)
     progress_bar: bool = True
     callbacks: list[CallbackConfig] = field(default_factory=list)
 
 
-VLLM_KWARGS_SET_BY_SPECTRAIN = ("model", "tokenizer", "dtype", "gpu_memory_utilization", "tensor_parallel_size", "max_model_len", "seed", "enforce_eager", "enable_prefix_caching",
-                                "disable_log_stats", "kv_cache_memory_bytes", "speculative_config")
+VLLM_KWARGS_SET_BY_SPECTRAIN = ("model", "tokenizer", "dtype", "gpu_memory_utilization", "tensor_parallel_size",
+                                "max_model_len", "seed", "enforce_eager", "enable_prefix_caching", "disable_log_stats",
+                                "kv_cache_memory_bytes", "speculative_config")
 
 
 @dataclass
 class SyncConfig:
-    on_mismatch: str = "raise"  # raise | warn: an engine that does not serve the synced weights stops the run, or is re-synced
-    logprob_tolerance: float | None = None  # mean |trainer - engine| logprob of a rollout; None: 1e-3 float32, 5e-2 bf16
+    # raise | warn: an engine that does not serve the synced weights stops the run, or is re-synced
+    on_mismatch: str = "raise"
+    # mean |trainer - engine| logprob of a rollout; None: 1e-3 float32, 5e-2 bf16
+    logprob_tolerance: float | None = None
     weight_rtol: float | None = None  # relative error of the weight probe; None: 1e-4 float32, 1e-2 bf16
 
 

@@ -6,11 +6,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from spectrain.config.schema import (ATTENTION_BACKENDS, DRAFT_LOSS_KERNELS, KL_ESTIMATORS, LOSS_AGG_MODES,
-                                     LR_SCHEDULERS, POLICY_DTYPES, PP_STAGES_PER_RANK, ROLLOUT_ENGINES,
-                                     VLLM_KWARGS_SET_BY_SPECTRAIN, SpecTrainConfig)
+from spectrain.config.schema import (
+    ATTENTION_BACKENDS,
+    DRAFT_LOSS_KERNELS,
+    KL_ESTIMATORS,
+    LOSS_AGG_MODES,
+    LR_SCHEDULERS,
+    POLICY_DTYPES,
+    PP_STAGES_PER_RANK,
+    ROLLOUT_ENGINES,
+    VLLM_KWARGS_SET_BY_SPECTRAIN,
+    SpecTrainConfig,
+)
 from spectrain.errors import ConfigError, warn_input
 from spectrain.tasks.rewards import REWARD_FNS
+
 
 def _require(ok: bool, key: str, message: str) -> None:
     if not ok:
@@ -66,9 +76,11 @@ _AT_LEAST_ONE = (
     "speculation.bandit.min_plays", "speculation.long_tail.threshold", "trainer.log_every_n_steps",
     "trainer.checkpoint_every_n_steps", "trainer.log_samples_n",
 )
-_AT_LEAST_ZERO = ("draft.warmup_steps", "draft.lr_ramp_updates", "grpo.kl_beta", "grpo.weight_decay", "speculation.long_tail.max_steps",
-                  "trainer.max_steps", "trainer.eval_every_n_steps", "trainer.log_samples_every_n_steps")
-_POSITIVE = ("sft.lr", "grpo.lr", "grpo.clip_eps", "grpo.adv_eps", "grpo.grad_clip", "draft.lr", "draft.warmup_lr", "draft.grad_clip")
+_AT_LEAST_ZERO = ("draft.warmup_steps", "draft.lr_ramp_updates", "grpo.kl_beta", "grpo.weight_decay",
+                  "speculation.long_tail.max_updates", "trainer.max_steps", "trainer.eval_every_n_steps",
+                  "trainer.log_samples_every_n_steps")
+_POSITIVE = ("sft.lr", "grpo.lr", "grpo.clip_eps", "grpo.adv_eps", "grpo.grad_clip", "draft.lr", "draft.warmup_lr",
+             "draft.grad_clip")
 _MAX_SEED = 2**32 - 1  # Lightning's seed_everything accepts 0..2^32-1
 
 
@@ -165,11 +177,13 @@ def _check_rollout(c: SpecTrainConfig) -> None:
     _require(0 < r.top_p <= 1, "rollout.top_p", f"is {r.top_p}; it must be in (0, 1]")
     _require(0 < r.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization",
              f"is {r.gpu_memory_utilization}; give vLLM's share of the GPU, in (0, 1], e.g. 0.6")
-    _require(r.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", f"is {r.tensor_parallel_size}; it must be >= 1")
+    _require(r.tensor_parallel_size >= 1, "rollout.tensor_parallel_size",
+             f"is {r.tensor_parallel_size}; it must be >= 1")
     _require(r.kv_cache_gib > 0, "rollout.kv_cache_gib",
              f"is {r.kv_cache_gib}; give the vLLM KV cache size in GiB, > 0 (fractions are honoured, e.g. 0.5)")
     managed = sorted(set(r.vllm_kwargs) & set(VLLM_KWARGS_SET_BY_SPECTRAIN))
-    _require(not managed, "rollout.vllm_kwargs", f"sets {managed}, which spectrain sets itself: use policy.path, rollout.dtype, "
+    _require(not managed, "rollout.vllm_kwargs",
+             f"sets {managed}, which spectrain sets itself: use policy.path, rollout.dtype, "
              f"rollout.max_model_len, rollout.kv_cache_gib, rollout.gpu_memory_utilization, "
              f"rollout.tensor_parallel_size, draft.* and trainer.seed instead, and drop them from rollout.vllm_kwargs")
 
@@ -224,8 +238,9 @@ def _check_grpo_options(c: SpecTrainConfig) -> None:
              f"is {g.lr_warmup_steps}; give a number of GRPO steps >= 0 (0: no warm-up)")
     par = c.parallel
     _require(not g.dynamic_sampling or par.dp * par.pp == 1, "grpo.dynamic_sampling",
-             f"drops documents per step, but parallel.dp={par.dp} and parallel.pp={par.pp} split each update's documents "
-             f"over ranks and microbatches by fixed counts; use it with parallel.dp=1 and parallel.pp=1 (cp is fine), "
+             f"drops documents per step, but parallel.dp={par.dp} and parallel.pp={par.pp} split each update's "
+             f"documents over ranks and microbatches by fixed counts; use it with parallel.dp=1 and parallel.pp=1 "
+             f"(cp is fine), "
              f"or set grpo.dynamic_sampling=false")
 
 
@@ -297,7 +312,8 @@ def _check_sync(c: SpecTrainConfig) -> None:
     _one_of(c.sync.on_mismatch, "sync.on_mismatch", ("raise", "warn"))
     for key in ("logprob_tolerance", "weight_rtol"):
         value = getattr(c.sync, key)
-        _require(value is None or value > 0, f"sync.{key}", f"is {value}; it must be > 0 (or null for the dtype's default)")
+        _require(value is None or value > 0, f"sync.{key}",
+                 f"is {value}; it must be > 0 (or null for the dtype's default)")
 
 
 def _check_trainer(c: SpecTrainConfig) -> None:
@@ -305,6 +321,12 @@ def _check_trainer(c: SpecTrainConfig) -> None:
     _one_of(t.accelerator, "trainer.accelerator", ("auto", "cpu", "cuda"))
     _one_of(t.resume, "trainer.resume", ("auto", "never"))
     logger_names(t.logger)
+    _require(t.keep_checkpoints >= -1, "trainer.keep_checkpoints",
+             f"is {t.keep_checkpoints}; give how many step checkpoints to keep: 0 (only last.ckpt), N, or -1 (all)")
+    _require(t.export_every_n_steps >= 0, "trainer.export_every_n_steps",
+             f"is {t.export_every_n_steps}; give N >= 1 to export every N steps, or 0 for only the final export")
+    _require(t.keep_exports == -1 or t.keep_exports >= 1, "trainer.keep_exports",
+             f"is {t.keep_exports}; give how many exports to keep: N >= 1, or -1 (all)")
     _require(0 <= t.seed <= _MAX_SEED, "trainer.seed", f"is {t.seed}; it must be in 0..{_MAX_SEED}")
     _require(t.warmstart_dir is None or Path(t.warmstart_dir).resolve() != Path(t.run_dir).resolve(),
              "trainer.warmstart_dir", "is the run directory itself; use a directory of its own, or null for "

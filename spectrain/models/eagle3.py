@@ -29,7 +29,6 @@ from spectrain.models.llama import (
     LlamaConfig,
     RMSNorm,
     SwiGLU,
-    default_tap_layers,
     rope_cos_sin,
 )
 from spectrain.ops.draft_loss import DEFAULT_CHUNK, dense_soft_ce_top1, draft_soft_ce_top1
@@ -90,10 +89,10 @@ class Eagle3Config:
         intermediate_size: int | None = None,
     ) -> "Eagle3Config":
         """A draft sized like one layer of `policy`, reading its embeddings and aux states
-        (by default `default_aux_layers`)."""
+        (by default `default_tap_layers`)."""
         n = policy.num_hidden_layers
         if tap_layers is None:
-            tap_layers = default_aux_layers(n)
+            tap_layers = default_tap_layers(n)
         if max(tap_layers) >= n or min(tap_layers) < 0:
             raise ValueError(f"tap_layers={tuple(tap_layers)} must be in 0..{n - 1} "
                              f"(the policy has {n} layers)")
@@ -125,10 +124,10 @@ class Eagle3Config:
         )
 
 
-def default_aux_layers(num_layers: int) -> tuple[int, ...]:
-    """vLLM's default aux ids `(2, n//2, n-3)`, or `(1, n//2, n-1)` where those are not three
-    distinct layers (shallow policies: vLLM would capture fewer states than `fc` expects)."""
-    ids = default_tap_layers(num_layers)
+def default_tap_layers(num_layers: int) -> tuple[int, ...]:
+    """vLLM's EAGLE-3 default aux ids, the residual entering layers `(2, n//2, n-3)`, or `(1, n//2, n-1)` where
+    those are not three distinct layers (shallow policies: vLLM would capture fewer states than `fc` expects)."""
+    ids = (2, num_layers // 2, num_layers - 3)
     if len(set(ids)) < 3 or min(ids) < 0:
         ids = (1, num_layers // 2, num_layers - 1)
     return ids
@@ -181,12 +180,12 @@ class Eagle3Draft(nn.Module):
         tap_hidden: Sequence[torch.Tensor],
         position_ids: torch.Tensor,
         cu_seqlens: torch.Tensor,
-        num_steps: int,
+        passes: int,
         ops=None,
         shift_fn: ShiftFn | None = None,
         normed_hidden: bool = False,
     ) -> list[torch.Tensor]:
-        """TTT unroll: draft logits `[T, draft_vocab]` for passes 1..num_steps.
+        """TTT unroll: draft logits `[T, draft_vocab]` for passes 1..passes.
 
         Args:
             embeds: the policy's embedding output `[T, H]` (its `CausalLMOutput.embeds`),
@@ -195,7 +194,7 @@ class Eagle3Draft(nn.Module):
             tap_hidden: the policy's aux states `[T, H_target]`, one per `tap_layers`
                 entry in that (sorted) order; detached and cast likewise.
             position_ids, cu_seqlens: the packed batch (RoPE positions of the tokens).
-            num_steps: K, the passes unrolled.
+            passes: K, the TTT passes unrolled (`draft.ttt_passes`).
             ops: attention ops of the causal trunk (local, or ring under CP).
             shift_fn: document-local shift (`shift_within_docs`; CP passes its boundary
                 exchanging version).
@@ -212,11 +211,11 @@ class Eagle3Draft(nn.Module):
         t = embeds.shape[0]
         assert embeds.shape == (t, cfg.hidden_size), (embeds.shape, cfg.hidden_size)
         assert position_ids.shape == (t,), (position_ids.shape, t)
-        assert num_steps >= 1, num_steps
+        assert passes >= 1, passes
         embeds = embeds.detach().to(self.fc.weight.dtype)
         hidden = self.combine_aux(tap_hidden)
         keys, values, outputs = [], [], []
-        for d in range(1, num_steps + 1):
+        for d in range(1, passes + 1):
             next_embeds = shift_fn(embeds, cu_seqlens, d, 0.0)
             cos, sin = rope_cos_sin(position_ids + (d - 1), cfg.head_dim, cfg.rope_theta, embeds.dtype)
             x = torch.cat([mid.input_layernorm(next_embeds), mid.hidden_norm(hidden)], dim=-1)
@@ -541,7 +540,7 @@ def _aux_layer_ids(path: Path, raw: dict, policy_cfg: LlamaConfig | None) -> tup
     if policy_cfg is None:
         raise ConfigError(f"draft.path={path}: config.json has no eagle_config.eagle_aux_hidden_state_layer_ids "
                           "and the aux layers default from the policy's depth: pass policy_cfg")
-    ids = default_aux_layers(policy_cfg.num_hidden_layers)
+    ids = default_tap_layers(policy_cfg.num_hidden_layers)
     warnings.warn(f"draft.path={path}: config.json has no eagle_config.eagle_aux_hidden_state_layer_ids; "
                   f"using the default aux layers {ids} for a {policy_cfg.num_hidden_layers}-layer policy "
                   "(vLLM's (2, n//2, n-3), made distinct for shallow policies). Exported drafts record them; "

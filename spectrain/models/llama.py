@@ -18,9 +18,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from spectrain.ops.attention import LocalAttentionOps, varlen_attention
-from spectrain.ops.chunked_logprobs import (DEFAULT_CHUNK_TOKENS, dense_token_logprobs, teacher_on_draft_vocab,
-                                            token_logprobs)
-
+from spectrain.ops.chunked_logprobs import (
+    DEFAULT_CHUNK_TOKENS,
+    dense_token_logprobs,
+    teacher_on_draft_vocab,
+    token_logprobs,
+)
 
 # model_type -> the HF architecture this module implements for it
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -328,11 +331,6 @@ def apply_activation_checkpointing(policy: nn.Module, enabled: bool) -> None:
     stage holding the layers checkpoints too, and `fully_shard` (before or after) keeps it."""
     for layer in policy.model.layers.values():
         layer.activation_checkpointing = enabled
-
-
-def default_tap_layers(num_layers: int) -> tuple[int, int, int]:
-    """vLLM's EAGLE-3 default: the residual entering layers (2, n//2, n-3)."""
-    return (2, num_layers // 2, num_layers - 3)
 
 
 def pack_sequences(seqs: list[list[int]], device=None):

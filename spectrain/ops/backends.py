@@ -44,8 +44,17 @@ import torch
 
 from spectrain.config.schema import ATTENTION_BACKENDS as BACKENDS
 from spectrain.ops.attention import LocalAttentionOps
-from spectrain.ops.backend_ops import (INSTALL, FlashAttnOps, FlexOps, TransformerEngineOps, VarlenOps, backend_error,
-                                       import_installed, installed, kernel_dtype)
+from spectrain.ops.backend_ops import (
+    INSTALL,
+    FlashAttnOps,
+    FlexOps,
+    TransformerEngineOps,
+    VarlenOps,
+    backend_error,
+    import_installed,
+    installed,
+    kernel_dtype,
+)
 
 FLASH_KERNELS = ("varlen", "flash_attn", "te")  # CUDA-only fp16 / bf16 kernels
 
@@ -178,7 +187,8 @@ class AutoAttentionOps:
         if device.type != "cuda" or importlib.util.find_spec("triton") is None:
             return None
         if "ttt" not in self.resolved:
-            _say_once("[spectrain] policy.attention_backend=auto -> the draft's TTT attention on the fused Triton kernel")
+            _say_once("[spectrain] policy.attention_backend=auto -> "
+                      "the draft's TTT attention on the fused Triton kernel")
             self.resolved["ttt"] = _triton_ops(self.half_dtype)
         return self.resolved["ttt"]
 

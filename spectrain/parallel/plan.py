@@ -17,8 +17,8 @@ from typing import Callable, Protocol
 import torch
 from torch import nn
 
-from spectrain.models.llama import CausalLMOutput, LlamaForCausalLM
 from spectrain.batch import RolloutBatch, concat_batches, micro_batches
+from spectrain.models.llama import CausalLMOutput, LlamaForCausalLM
 
 # (logprobs [T] of this rank's targets (float32, differentiable; computed from the lm_head in chunks, never as
 # [T, V] logits), the matching batch part) -> (this part's share of the global loss, the logprobs it used)

@@ -1,4 +1,5 @@
-"""Every private PyTorch internal spectrain.parallel touches, in one place, checked against the release it was verified on.
+"""Every private PyTorch internal spectrain.parallel touches, in one place, checked against the release
+it was verified on.
 
 The plans flatten gradients and weights into one buffer per dtype (`torch._utils`), fold two
 mesh dims into one process group (`DeviceMesh._flatten`), and read a pipelining schedule's
@@ -41,7 +42,8 @@ def unflatten_dense_tensors(flat: torch.Tensor, like: list[torch.Tensor]) -> lis
 
 # meshes -----------------------------------------------------------------------------
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
-    """The dims of `mesh` (a slice such as `mesh["dp", "cp"]`) folded into one dim `name`: one group over all of them."""
+    """The dims of `mesh` (a slice such as `mesh["dp", "cp"]`) folded into one dim `name`: one group over all
+    of them."""
     return attribute(mesh, "_flatten", "DeviceMesh")(name)
 
 

@@ -24,8 +24,14 @@ import torch
 from spectrain.errors import RolloutEngineError
 from spectrain.models.hf_io import load_pretrained
 from spectrain.models.llama import pack_sequences
-from spectrain.rollout.engine import (Completion, LoadStats, NamedTensors, ProbeResult, SamplingConfig,
-                                      SpecDecodeCounters)
+from spectrain.rollout.engine import (
+    Completion,
+    LoadStats,
+    NamedTensors,
+    ProbeResult,
+    SamplingConfig,
+    SpecDecodeCounters,
+)
 
 SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it decodes greedily
 

@@ -17,6 +17,7 @@ import re
 import threading
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -206,27 +207,74 @@ def reward_name(name: str, path: str | Path | None = None, function: str | None 
     return f"reward.function {function!r} in {path}" if name == "custom" else f"reward.name={name}"
 
 
+@dataclass(frozen=True)
+class RewardInput:
+    """One completion to score, with what a reward may need besides it: the prompt (its text, or chat messages)
+    and the reference answer; `prompt_index` / `sample_index` place it in the rollout (a group shares a prompt)."""
+
+    prompt: str | tuple[dict[str, str], ...]
+    completion: str
+    answer: str
+    prompt_index: int
+    sample_index: int
+
+
+BatchRewardFn = Callable[[list[RewardInput]], Sequence[float]]
+
+
+def per_sample(reward_fn: RewardFn) -> BatchRewardFn:
+    """A `(completion, answer) -> float` reward as a batched one."""
+    return lambda samples: [reward_fn(s.completion, s.answer) for s in samples]
+
+
+def reward_inputs(samples: Sequence[tuple[int, str, str]], prompts: Sequence | None = None) -> list[RewardInput]:
+    """`(prompt index, completion, answer)` rows in rollout order as `RewardInput`s (a group's samples are
+    numbered in the order they come); `prompts[i]` is prompt i (empty when not given)."""
+    drawn = collections.Counter()
+    inputs = []
+    for prompt_index, completion, answer in samples:
+        prompt = prompts[prompt_index] if prompts is not None else ""
+        inputs.append(RewardInput(prompt, completion, answer, prompt_index, drawn[prompt_index]))
+        drawn[prompt_index] += 1
+    return inputs
+
+
 def score(reward_fn: RewardFn, samples: Sequence[tuple[int, str, str]], reward: str, where: str) -> torch.Tensor:
-    """`reward_fn` on each `(prompt index, completion, answer)`, as float32 rewards.
+    """`reward_fn` on each `(prompt index, completion, answer)`, as float32 rewards (`score_batch`)."""
+    return score_batch(per_sample(reward_fn), reward_inputs(samples), reward, where)
+
+
+def score_batch(rewards_fn: BatchRewardFn, samples: list[RewardInput], reward: str, where: str) -> torch.Tensor:
+    """`rewards_fn(samples)`, one call for the whole rollout, as float32 rewards in the samples' order.
 
     A NaN or inf (or a number beyond float32) stops here, naming `reward`, `where` (the step), the
     sample and its value: one such reward makes its whole group's advantages, and after one update
     the policy, NaN, which would surface later as a failed weight sync.
     """
-    rewards, drawn = [], collections.Counter()  # drawn: samples so far per prompt, the sample's index in its group
-    for prompt_index, completion, answer in samples:
-        value = reward_fn(completion, answer)
-        on = f"in {where} on prompt {prompt_index}, sample {drawn[prompt_index]}: {_sample(completion, answer)}"
-        try:
-            rewards.append(float(value))
-        except (TypeError, ValueError, OverflowError):  # not a number, or an int beyond any float
-            raise RewardError(f"{reward} returned {_shorten(repr(value))} {on}; return a float") from None
-        if not abs(rewards[-1]) <= _FLOAT32_MAX:  # NaN fails it too
-            raise RewardError(f"{reward} returned {value!r} {on}; a reward must be a finite float32 (a NaN "
-                              f"or inf turns its group's advantages and then the policy into NaN): fix the function "
-                              f"to return a finite score for every completion")
-        drawn[prompt_index] += 1
-    return torch.tensor(rewards, dtype=torch.float32)
+    values = rewards_fn(samples)
+    try:
+        values = list(values)
+    except TypeError:
+        raise RewardError(f"{reward} returned {_shorten(repr(values))} in {where} for {len(samples)} samples; "
+                          f"return one float per sample, in their order") from None
+    if len(values) != len(samples):
+        raise RewardError(f"{reward} returned {len(values)} rewards in {where} for {len(samples)} samples; return "
+                          f"one float per sample, in their order")
+    return torch.tensor([_checked(v, s, reward, where) for v, s in zip(values, samples)], dtype=torch.float32)
+
+
+def _checked(value, sample: RewardInput, reward: str, where: str) -> float:
+    on = (f"in {where} on prompt {sample.prompt_index}, sample {sample.sample_index}: "
+          f"{_sample(sample.completion, sample.answer)}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):  # not a number, or an int beyond any float
+        raise RewardError(f"{reward} returned {_shorten(repr(value))} {on}; return a float") from None
+    if not abs(number) <= _FLOAT32_MAX:  # NaN fails it too
+        raise RewardError(f"{reward} returned {value!r} {on}; a reward must be a finite float32 (a NaN "
+                          f"or inf turns its group's advantages and then the policy into NaN): fix the function "
+                          f"to return a finite score for every completion")
+    return number
 
 
 def _sample(completion: str, answer: str) -> str:

@@ -74,7 +74,8 @@ class DraftGradients:
     def __init__(self, draft: Eagle3Draft, optimizer: torch.optim.Optimizer, *, ttt_passes: int, pass_decay: float,
                  backward: Callable[[torch.Tensor], None] = torch.Tensor.backward, loss_kernel: str = "auto") -> None:
         self.draft, self.optimizer = draft, optimizer
-        self.ttt_passes, self.pass_decay, self.backward, self.loss_kernel = ttt_passes, pass_decay, backward, loss_kernel
+        self.ttt_passes, self.pass_decay = ttt_passes, pass_decay
+        self.backward, self.loss_kernel = backward, loss_kernel
         self.loss: torch.Tensor | None = None  # the detached sum of the chunks' losses so far
         self.metrics: TTTMetrics | None = None
         optimizer.zero_grad(set_to_none=True)

@@ -10,8 +10,6 @@ from spectrain.config.schema import KL_ESTIMATORS, LOSS_AGG_MODES, LR_SCHEDULERS
 from spectrain.ops.chunked_logprobs import dense_token_logprobs as token_logprobs  # noqa: F401 (the dense path)
 
 
-
-
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4,
                      norm_by_std: bool = True) -> torch.Tensor:
     """`A = (r - mean_group) / (std_group + eps)` for rewards laid out group by group.

@@ -114,7 +114,8 @@ def build_policy(config: SpecTrainConfig, tokenizer) -> LlamaForCausalLM:
         return LlamaForCausalLM(cfg)
     from spectrain.models.hf_io import load_pretrained
 
-    policy = load_pretrained(p.path, dtype=torch.float32)  # its errors name policy.path  # bf16 runs autocast over float32 master weights
+    # bf16 runs autocast over float32 master weights
+    policy = load_pretrained(p.path, dtype=torch.float32)  # its errors name policy.path
     check_vocab(config, policy.cfg.vocab_size, tokenizer.vocab_size)
     return policy
 
@@ -151,8 +152,13 @@ def check_draft_vocab(config: SpecTrainConfig, model_vocab: int, source, tokeniz
     """`draft.draft_vocab_size` against the train completions the warm start picks it from
     (`completion_token_ids`): refused where it cannot be built, warned about where it covers too few of their
     tokens (the draft never proposes the others, so they bound acceptance)."""
-    from spectrain.tasks.draft_vocab import (completion_token_ids, coverage, size_for_coverage, token_counts,
-                                             vocab_mapping_from_counts)
+    from spectrain.tasks.draft_vocab import (
+        completion_token_ids,
+        coverage,
+        size_for_coverage,
+        token_counts,
+        vocab_mapping_from_counts,
+    )
 
     d = config.draft
     if d.mode == "none" or d.init == "path" or d.draft_vocab_size is None or d.draft_vocab_size == model_vocab:

@@ -31,6 +31,20 @@ def check_loggers(config: SpecTrainConfig) -> list[str]:
     return names
 
 
+def count_steps_from_one(trainer) -> None:
+    """Every logger of `trainer` records a step's metrics at `trainer.global_step`, counted from 1 as
+    `trainer.max_steps`, `StepResult.step`, the plots and the held-out rows count (Lightning's own calls pass its
+    0-based batch count), and without Lightning's `epoch` column (always 0: the prompt stream is one endless epoch).
+    """
+    for logger in trainer.loggers:
+        lightning_log_metrics = logger.log_metrics
+
+        def log_metrics(metrics, step=None, _log=lightning_log_metrics):
+            _log({k: v for k, v in metrics.items() if k != "epoch"}, trainer.global_step)
+
+        logger.log_metrics = log_metrics
+
+
 def build_loggers(config: SpecTrainConfig, run_dir: Path, rank_zero: bool = True) -> list:
     """One Lightning logger per `trainer.logger` name, in that order, all writing into `run_dir` by default:
     `logs/` (csv, tensorboard), `wandb/` (wandb's offline or synced run files), `mlruns/` (an MLflow file store

@@ -49,7 +49,8 @@ Logits: the chunked log-softmax (`ops.chunked_logprobs`) holds at most `LOGITS_C
 float32 logits and a temporary of their size, and accumulates the lm_head's gradient in float32:
 min(T, 4096) x V x 8 + V x H x 4. Its backward runs first, before any layer's: the chunk is gone before the
 layers' gradients in flight (and, checkpointed, the recomputed layer) appear, so only the chunk's excess over
-those is added: max(0, min(T, 4096) x V x 8 - T x layer x (2 if checkpointed else 1)) + V x H x 4. The draft's inputs, kept from the policy forward to the draft update:
+those is added: max(0, min(T, 4096) x V x 8 - T x layer x (2 if checkpointed else 1)) + V x H x 4.
+The draft's inputs, kept from the policy forward to the draft update:
 T ((taps + 1) H r + 4 Vd + 8): the tapped residuals, the embedding output, the float32 teacher over the draft
 vocabulary and the policy's top-1 id. The draft update's own activations (its residual stream is fc's output,
 in c; `draft.ttt_passes` passes; tested like the policy's) come after the policy backward has freed its

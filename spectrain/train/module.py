@@ -21,19 +21,19 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from spectrain.batch import RolloutBatch, build_rollout_batch
 from spectrain.config import SpecTrainConfig
 from spectrain.errors import NonFiniteError
 from spectrain.models.llama import LlamaForCausalLM, apply_activation_checkpointing
 from spectrain.parallel.fsdp import shard_optimizer_state
 from spectrain.parallel.plan import DraftInputs, LocalPlan, TrainPlan, ttt_valid_tokens
-from spectrain.batch import RolloutBatch, build_rollout_batch
-from spectrain.train.grpo import group_advantages, grpo_loss, lr_lambda, minibatch_documents, overlong_penalty
 from spectrain.rollout.engine import Completion, LoadStats, RolloutEngine, SamplingConfig, SpecDecodeCounters
 from spectrain.rollout.speculation.controllers import uses_step_loop
 from spectrain.rollout.speculation.long_tail import LongTailPolicy, LongTailTrainer
 from spectrain.rollout.speculation.stepwise import StepwiseRollouts
-from spectrain.tasks.rewards import reward_name, score
+from spectrain.tasks.rewards import reward_inputs, reward_name, score_batch
 from spectrain.train.draft_update import DraftUpdate, draft_optimizer, draft_update, warn_if_skipped
+from spectrain.train.grpo import group_advantages, grpo_loss, lr_lambda, minibatch_documents, overlong_penalty
 
 
 @dataclass
@@ -68,6 +68,10 @@ class StepResult:
 
 
 class GRPOModule(L.LightningModule):
+    """One GRPO step per batch of prompts (`training_step`), with the draft's taps for `DraftCoTraining`.
+    `reward_fn` scores a rollout in one call: `(list[RewardInput]) -> one float per sample`
+    (`spectrain.tasks.rewards.per_sample` wraps a `(completion, answer) -> float`)."""
+
     def __init__(self, config: SpecTrainConfig, policy: LlamaForCausalLM, draft: torch.nn.Module | None,
                  tokenizer, reward_fn, draft_warmup_state: dict | None = None, reward: str | None = None,
                  engine: RolloutEngine | None = None) -> None:
@@ -206,9 +210,10 @@ class GRPOModule(L.LightningModule):
             spec = self.engine.spec_decode_counters() - before
             where = (f"the step-{self.current_step} rollout" if train_in_tail
                      else f"the held-out evaluation after step {self.global_step}")
-            rewards = score(self.reward_fn, [(c.prompt_index, self.tokenizer.decode(c.token_ids),
-                                              examples[c.prompt_index].answer) for c in completions],
-                            self.reward_name, where)
+            samples = reward_inputs([(c.prompt_index, self.tokenizer.decode(c.token_ids),
+                                      examples[c.prompt_index].answer) for c in completions],
+                                    [ex.prompt for ex in examples])
+            rewards = score_batch(self.reward_fn, samples, self.reward_name, where)
             stats = RolloutStats(seconds, len(completions), sum(len(c.token_ids) for c in completions), spec,
                                  self.engine.take_load_stats())
             result = (completions, rewards, stats)
@@ -248,7 +253,7 @@ class GRPOModule(L.LightningModule):
             warn_if_skipped(update, f"a spot update in the step-{self.current_step} rollout")
             return update
 
-        return LongTailTrainer(LongTailPolicy(lt.threshold, lt.max_steps), spot_update)
+        return LongTailTrainer(LongTailPolicy(lt.threshold, lt.max_updates), spot_update)
 
     @override
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -371,7 +376,8 @@ class GRPOModule(L.LightningModule):
                 f"[spectrain] vLLM preempted {load.preemptions} sequences in the step-{self.current_step} rollout "
                 f"(at most {load.max_running} ran at once, {load.max_waiting} waited): its KV cache does not hold "
                 f"rollout.prompts_per_step x rollout.group_size sequences, so it evicts and recomputes them (slow). "
-                f"Raise rollout.kv_cache_gib, or lower rollout.prompts_per_step. Logged per step as rollout/preemptions.")
+                f"Raise rollout.kv_cache_gib, or lower rollout.prompts_per_step. Logged per step as "
+                f"rollout/preemptions.")
 
     def tap_handler(self, batch: RolloutBatch):
         """What the policy forwards hand each micro-batch's taps to: the callbacks that train the draft this step

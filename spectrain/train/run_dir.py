@@ -85,7 +85,8 @@ class RunDir:
                         "trainer.checkpoint_every_n_steps", "trainer.run_dir", "trainer.warmstart_dir",
                         "rollout.kv_cache_gib", "grpo.micro_batch_tokens", "policy.activation_checkpointing",
                         "trainer.logger", "trainer.project_name", "trainer.experiment_name",
-                        "trainer.log_samples_every_n_steps", "trainer.log_samples_n")
+                        "trainer.log_samples_every_n_steps", "trainer.log_samples_n", "trainer.keep_checkpoints",
+                        "trainer.export_every_n_steps", "trainer.keep_exports")
 
     def _check_same_config(self) -> None:
         differences = self._config_differences()
@@ -153,8 +154,9 @@ def check_writable(path: Path, key: str) -> None:
                           f"writable place, or fix the permissions of {ancestor}.") from exc
 
 
-def drop_logged_steps(log_dir: Path, first_step: int) -> None:
-    """Remove the CSV rows of steps >= `first_step` from earlier log segments: a resume re-runs them.
+def drop_logged_steps(log_dir: Path, last_kept_step: int) -> None:
+    """Remove the CSV rows of steps after `last_kept_step` (the checkpoint's) from earlier log segments: a resume
+    re-runs them.
 
     A run killed between checkpoints logged the steps after its last checkpoint; the resumed
     segment logs them again (with the same values: sampling is seeded per step), so each step
@@ -164,7 +166,7 @@ def drop_logged_steps(log_dir: Path, first_step: int) -> None:
         with open(path, newline="") as f:
             reader = csv.DictReader(f)
             fields, rows = reader.fieldnames, list(reader)
-        kept = [r for r in rows if not r.get("step") or int(r["step"]) < first_step]
+        kept = [r for r in rows if not r.get("step") or int(r["step"]) <= last_kept_step]
         if fields and len(kept) < len(rows):
             with open(path, "w", newline="") as f:
                 writer = csv.DictWriter(f, fieldnames=fields)

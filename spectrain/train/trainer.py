@@ -19,23 +19,24 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, IterableDataset
 
+from spectrain import console
 from spectrain.config import SpecTrainConfig
 from spectrain.config.validation import check_pipeline_fits
 from spectrain.errors import ConfigError
 from spectrain.machine import resolve_device
 from spectrain.models.hf_io import save_pretrained
 from spectrain.models.llama import LlamaForCausalLM
-from spectrain.train import inputs
-from spectrain.train.memory_plan import check_memory_plan
-from spectrain.train.module import GRPOModule
-from spectrain.train.loggers import build_loggers, check_loggers
-from spectrain.train.run_dir import RunDir, check_writable, drop_logged_steps
 from spectrain.parallel.fsdp import unsharded_copy
 from spectrain.parallel.mesh import world_size
 from spectrain.rollout.engine import RolloutEngine
-from spectrain.train.warm_start import (cached, policy_cache_key, sft_enabled, warm_start_policy,
-                                        warmup_optimizer_state)
-
+from spectrain.tasks.rewards import RewardInput
+from spectrain.train import inputs
+from spectrain.train.loggers import build_loggers, check_loggers, count_steps_from_one
+from spectrain.train.memory_plan import check_memory_plan
+from spectrain.train.module import GRPOModule
+from spectrain.train.progress import PlainProgress, SpecProgressBar
+from spectrain.train.run_dir import RunDir, check_writable, drop_logged_steps
+from spectrain.train.warm_start import cached, policy_cache_key, sft_enabled, warm_start_policy, warmup_optimizer_state
 
 
 class PromptStream(IterableDataset):
@@ -125,8 +126,22 @@ class SpecTrainer:
                 for name, source in sources.items() if hasattr(source, "dropped_overlong")}
 
     def reward(self, completion: str, answer: str) -> float:
-        """Score one completion; the default looks up `reward.name` (bound once, in `fit`)."""
+        """Score one completion; the default looks up `reward.name` (bound once, in `fit`). Override this, or
+        `rewards` to score a whole rollout in one call with the prompts."""
         return self._reward_fn(completion, answer)
+
+    def rewards(self, samples: list[RewardInput]) -> list[float]:
+        """One float per sample, in order, for a rollout's (or a held-out evaluation's) completions: a batched
+        verifier or reward model goes here. Each `RewardInput` carries its prompt, completion and answer. The
+        default calls `reward` on each."""
+        return [self.reward(s.completion, s.answer) for s in samples]
+
+    def reward_hook_name(self) -> str | None:
+        """How errors name an overridden reward hook (None: the configured `reward.name`)."""
+        for hook in ("rewards", "reward"):
+            if getattr(type(self), hook) is not getattr(SpecTrainer, hook):
+                return f"{type(self).__name__}.{hook}"
+        return None
 
     def build_policy(self) -> LlamaForCausalLM:
         """`policy.path` loaded, or the toy policy built from `policy.*`."""
@@ -184,8 +199,16 @@ class SpecTrainer:
         prepare_process_groups()
 
     def build_callbacks(self) -> list[Callback]:
-        from spectrain.callbacks import (AcceptanceLengthLogger, DraftCoTraining, HeldOutEval, RunHistory,
-                                         SampleGenerations, StopOnSignal, WeightSync)
+        from spectrain.callbacks import (
+            AcceptanceLengthLogger,
+            DraftCoTraining,
+            HeldOutEval,
+            PeriodicExport,
+            RunHistory,
+            SampleGenerations,
+            StopOnSignal,
+            WeightSync,
+        )
 
         d = self.config.draft
         callbacks: list[Callback] = []
@@ -206,15 +229,31 @@ class SpecTrainer:
         if self.config.trainer.log_samples_every_n_steps:
             callbacks.append(SampleGenerations(self.config.trainer.log_samples_every_n_steps,
                                                self.config.trainer.log_samples_n))
+        t = self.config.trainer
+        if t.export_every_n_steps:  # after the draft's update and the sync: the step's weights
+            callbacks.append(PeriodicExport(self.run_dir / "exports", t.export_every_n_steps, self.export_step,
+                                            keep=t.keep_exports))
         callbacks += self.recipe_callbacks
         callbacks += self.extra_callbacks
+        if t.keep_checkpoints:  # the newest steps (top k by step); before last.ckpt, which then holds its pruning
+            callbacks.append(ModelCheckpoint(dirpath=self.run_dir / "checkpoints", filename="step_{step:06d}",
+                                             monitor="step", mode="max", save_top_k=t.keep_checkpoints,
+                                             every_n_train_steps=t.checkpoint_every_n_steps,
+                                             auto_insert_metric_name=False, enable_version_counter=False))
         # one last.ckpt, also when StopOnSignal wrote it (no last-v1.ckpt beside it)
         callbacks.append(ModelCheckpoint(dirpath=self.run_dir / "checkpoints", save_last=True, save_top_k=0,
-                                         every_n_train_steps=self.config.trainer.checkpoint_every_n_steps,
-                                         enable_version_counter=False))
+                                         every_n_train_steps=t.checkpoint_every_n_steps, enable_version_counter=False))
         # RunHistory last but one: its step time covers every other hook; StopOnSignal last: its checkpoint
         # holds every callback's state of the step
-        return callbacks + [RunHistory(), StopOnSignal(str(self.run.last_checkpoint))]
+        return callbacks + [RunHistory(), *self.progress_callbacks(), StopOnSignal(str(self.run.last_checkpoint))]
+
+    def progress_callbacks(self) -> list[Callback]:
+        """A bar on a terminal, one plain line per `trainer.log_every_n_steps` steps elsewhere (after `RunHistory`:
+        the line shows the step's time)."""
+        t = self.config.trainer
+        if not t.progress_bar:
+            return []
+        return [SpecProgressBar()] if console.interactive() else [PlainProgress(t.log_every_n_steps)]
 
     def build_logger(self):
         """The `trainer.logger` loggers (spectrain/train/loggers.py), False for none (`console` alone, or [])."""
@@ -224,6 +263,7 @@ class SpecTrainer:
     def fit(self) -> FitResult:
         from spectrain.callbacks import InterruptOnSignal
 
+        console.quiet_third_party_output()  # Lightning, imported by now, reset its log level
         with InterruptOnSignal() as signals:  # StopOnSignal takes over inside the training loop
             return self._fit(signals)
 
@@ -245,11 +285,9 @@ class SpecTrainer:
         signals.phase = "the engine start: the warm start is cached"
         self._on_rank_zero(lambda: self._start_engine(policy, draft))  # every rank learns of a failed start
         try:
-            overridden = type(self).reward is not SpecTrainer.reward  # errors then name the hook, not reward.name
-            self.module = GRPOModule(self.config, policy, draft, self.tokenizer, self.reward,
+            self.module = GRPOModule(self.config, policy, draft, self.tokenizer, self.rewards,
                                      draft_warmup_state=warmup_optimizer_state(self.warmstart_dir),
-                                     reward=f"{type(self).__name__}.reward" if overridden else None,
-                                     engine=self.engine)
+                                     reward=self.reward_hook_name(), engine=self.engine)
             if self.strategy is not None:
                 self.strategy.connect(self.module)
             eval_examples = self.eval_examples()
@@ -278,9 +316,7 @@ class SpecTrainer:
             self.sync_final_weights()
             final_eval = self.final_evaluation(eval_examples)
             # parallel.fsdp: every rank gathers the shards, rank 0 keeps the whole models (else: the modules themselves)
-            policy, draft = (unsharded_copy(m, keep=self.is_rank_zero) for m in (self.module.policy, self.module.draft))
-            if self.is_rank_zero:
-                self.export_models(policy, draft, self.run_dir / "final")
+            self.export_step(self.run_dir / "final" if self.is_rank_zero else None)
             history = self.history()
         finally:
             if self.engine is not None:
@@ -430,11 +466,14 @@ class SpecTrainer:
                              use_distributed_sampler=False)
         # bf16: autocast over float32 master weights and optimizer state
         precision = "bf16-mixed" if self.config.policy.dtype == "bfloat16" else "32-true"
-        return L.Trainer(accelerator=t.accelerator, precision=precision, **processes, max_steps=t.max_steps,
-                         logger=self.build_logger(),
-                         callbacks=self.build_callbacks(), default_root_dir=str(self.run_dir),
-                         log_every_n_steps=t.log_every_n_steps, enable_progress_bar=t.progress_bar,
-                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+        trainer = L.Trainer(accelerator=t.accelerator, precision=precision, **processes, max_steps=t.max_steps,
+                            logger=self.build_logger(),
+                            callbacks=self.build_callbacks(), default_root_dir=str(self.run_dir),
+                            log_every_n_steps=t.log_every_n_steps,
+                            enable_progress_bar=t.progress_bar and console.interactive(),
+                            enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+        count_steps_from_one(trainer)
+        return trainer
 
     def sync_final_weights(self) -> None:
         """Push (and verify) the trained weights once more: a resumed run that was already done never ran a
@@ -477,6 +516,12 @@ class SpecTrainer:
         """The policy in HF format and the draft in vLLM's EAGLE-3 format."""
         return save_pretrained(policy, out_dir / "policy", tokenizer=self.tokenizer), self.export_draft(policy, draft,
                                                                                                           out_dir)
+
+    def export_step(self, out_dir: Path | None) -> None:
+        """The models of this step into `out_dir` on rank 0 (None elsewhere); collective under FSDP."""
+        policy, draft = (unsharded_copy(m, keep=out_dir is not None) for m in (self.module.policy, self.module.draft))
+        if out_dir is not None:
+            self.export_models(policy, draft, out_dir)
 
     @staticmethod
     def export_draft(policy, draft, out_dir: Path) -> Path | None:

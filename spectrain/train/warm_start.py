@@ -29,19 +29,19 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from spectrain.batch import RolloutBatch, build_rollout_batch
 from spectrain.config import describe_differences
 from spectrain.config.loading import upgrade_recorded_keys
 from spectrain.errors import ConfigError, NonFiniteError, RunDirError
 from spectrain.models.eagle3 import Eagle3Config, Eagle3Draft, export_draft, load_draft
-from spectrain.tasks.draft_vocab import completion_token_ids, vocab_mapping_from_token_ids
 from spectrain.models.hf_io import load_pretrained, read_tensor, save_pretrained
 from spectrain.models.llama import LlamaForCausalLM
 from spectrain.parallel.plan import draft_inputs_from, ttt_valid_tokens
+from spectrain.rollout.engine import Completion
+from spectrain.tasks.draft_vocab import completion_token_ids, vocab_mapping_from_token_ids
 from spectrain.train.draft_update import draft_optimizer, draft_update, warn_if_skipped
-from spectrain.batch import RolloutBatch, build_rollout_batch
 from spectrain.train.grpo import token_logprobs
 from spectrain.train.inputs import model_identity
-from spectrain.rollout.engine import Completion
 
 
 def examples_to_batch(examples, tokenizer) -> RolloutBatch:
@@ -74,7 +74,8 @@ def train_sft(policy: LlamaForCausalLM, task, tokenizer, steps: int, batch_size:
         opt, lambda s: min(1.0, (s + 1) / warmup) * (0.55 + 0.45 * math.cos(math.pi * s / max(1, steps))))
     policy.train()
     losses = []
-    bar = tqdm(range(steps), desc="warm-start SFT", disable=not progress, dynamic_ncols=True)
+    # disable=None: a bar on a terminal only (in a log its redraws pile up on one line)
+    bar = tqdm(range(steps), desc="warm-start SFT", disable=None if progress else True, dynamic_ncols=True)
     for step in bar:
         loss = sft_loss(policy, examples_to_batch(task.sample(batch_size, rng), tokenizer))
         opt.zero_grad(set_to_none=True)
@@ -100,8 +101,9 @@ def sft_enabled(config) -> bool:
     return config.policy.path is None if config.sft.enabled is None else config.sft.enabled
 
 
-RUNTIME_POLICY_KEYS = ("attention_backend", "activation_checkpointing", "logprob_chunk_tokens")  # how the policy runs, not what the warm
-# start trains: the SFT runs on the default torch ops without checkpointing, and backends agree to rounding
+# how the policy runs, not what the warm start trains: the SFT runs on the default torch ops without
+# checkpointing, and backends agree to rounding
+RUNTIME_POLICY_KEYS = ("attention_backend", "activation_checkpointing", "logprob_chunk_tokens")
 
 
 def policy_cache_key(config) -> dict:
@@ -158,7 +160,8 @@ def writing_cache(cache: Path):
     except OSError as exc:
         shutil.rmtree(scratch, ignore_errors=True)
         raise RunDirError(f"could not move the new {cache.name} into {cache} ({exc}); if another run wrote it "
-                          f"meanwhile, run again to reuse it, or set trainer.warmstart_dir to another directory.") from exc
+                          f"meanwhile, run again to reuse it, or set trainer.warmstart_dir to another "
+                          f"directory.") from exc
 
 
 def warm_start_policy(config, policy: LlamaForCausalLM, task, tokenizer, cache_root: Path,
@@ -220,7 +223,7 @@ def warm_up_draft(draft: Eagle3Draft, policy: LlamaForCausalLM, source, tokenize
     """
     rng = random.Random(f"draft-warmup:{seed}")
     losses = []
-    bar = tqdm(range(steps), desc="draft warm-up", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(range(steps), desc="draft warm-up", disable=None if progress else True, dynamic_ncols=True)
     for i in bar:
         batch = examples_to_batch(source.sample(batch_size, rng), tokenizer)
         with torch.no_grad():

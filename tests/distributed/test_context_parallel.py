@@ -15,14 +15,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from spectrain.train.draft_update import draft_loss
-from spectrain.parallel.spawn import run_distributed
 from spectrain.config import ConfigError, load_config
 from spectrain.ops.attention import LocalAttentionOps
 from spectrain.parallel.cp.plan import ContextParallelPlan, check_cp_attention_ops, dp_documents
+from spectrain.parallel.cp.ring import ZigzagRingAttentionOps
 from spectrain.parallel.mesh import build_mesh, check_mesh_shape
 from spectrain.parallel.plan import LocalPlan, TapCollector
-from spectrain.parallel.cp.ring import ZigzagRingAttentionOps
+from spectrain.parallel.spawn import run_distributed
+from spectrain.train.draft_update import draft_loss
 from tests.helpers import StandInModule, float64_grpo_loss_fn, mixed_length_batch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,8 +45,8 @@ def _batch():
 def _step(plan, models, batch, reduce, micro_batch_tokens=None):
     """One policy + draft step through `plan`; everything the step produces, summed over ranks."""
     taps = TapCollector(batch)
-    result = plan.policy_forward_backward(models.policy, batch, float64_grpo_loss_fn(batch.num_response_tokens), CAPTURE,
-                                          lambda loss: loss.backward(), taps, micro_batch_tokens)
+    result = plan.policy_forward_backward(models.policy, batch, float64_grpo_loss_fn(batch.num_response_tokens),
+                                          CAPTURE, lambda loss: loss.backward(), taps, micro_batch_tokens)
     plan.reduce_gradients(models.policy)
     models.draft_inputs = taps.chunks
     loss, metrics = draft_loss(models.draft, models.draft_inputs, TTT_STEPS, PASS_DECAY)

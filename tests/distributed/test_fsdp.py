@@ -22,8 +22,14 @@ from torch.distributed.tensor import DTensor
 from spectrain.config import ConfigError, load_config
 from spectrain.models.llama import apply_activation_checkpointing
 from spectrain.parallel.cp.plan import ContextParallelPlan
-from spectrain.parallel.fsdp import (FullyShardedPlan, full_tensor, gathered_optimizer_state, gathered_state_dict,
-                                     is_sharded, shard_optimizer_state)
+from spectrain.parallel.fsdp import (
+    FullyShardedPlan,
+    full_tensor,
+    gathered_optimizer_state,
+    gathered_state_dict,
+    is_sharded,
+    shard_optimizer_state,
+)
 from spectrain.parallel.mesh import build_mesh
 from spectrain.parallel.plan import LocalPlan, TapCollector
 from spectrain.parallel.spawn import run_distributed

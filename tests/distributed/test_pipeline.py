@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from spectrain.parallel.spawn import run_distributed
 
+from spectrain.batch import RolloutBatch
 from spectrain.models.llama import LlamaConfig, LlamaForCausalLM, pack_sequences
 from spectrain.parallel.pp.runner import PipelineRunner, make_tap_channel, split_microbatches
 from spectrain.parallel.pp.stages import (
@@ -22,7 +22,7 @@ from spectrain.parallel.pp.stages import (
     tap_names_by_stage,
 )
 from spectrain.parallel.pp.tap_channel import BlockingTapTransport, TapChannel, new_tap_group
-from spectrain.batch import RolloutBatch
+from spectrain.parallel.spawn import run_distributed
 
 CFG = dict(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)

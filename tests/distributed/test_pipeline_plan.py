@@ -9,14 +9,14 @@ zigzag sharding only reorder sums.
 """
 import pytest
 import torch
-from spectrain.parallel.spawn import run_distributed
 
+from spectrain.batch import concat_batches
 from spectrain.config import ConfigError, load_config
 from spectrain.parallel.mesh import build_mesh
-from spectrain.parallel.pp.runner import split_microbatches
-from spectrain.batch import concat_batches
-from spectrain.parallel.pp.plan import PipelinePlan, microbatch_budget
 from spectrain.parallel.plan import LocalPlan, TapCollector
+from spectrain.parallel.pp.plan import PipelinePlan, microbatch_budget
+from spectrain.parallel.pp.runner import split_microbatches
+from spectrain.parallel.spawn import run_distributed
 from tests.helpers import StandInModule, float64_grpo_loss_fn, mixed_length_batch
 
 POLICY = dict(vocab_size=32, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
@@ -44,8 +44,8 @@ def _step(plan, models, batch, micro_batch_tokens=None):
     """Policy step, clip, draft step (where the draft lives), SGD, then weight sync; what each produced."""
     out = {}
     taps = TapCollector(batch)
-    result = plan.policy_forward_backward(models.policy, batch, float64_grpo_loss_fn(batch.num_response_tokens), CAPTURE,
-                                          lambda loss: loss.backward(), taps, micro_batch_tokens)
+    result = plan.policy_forward_backward(models.policy, batch, float64_grpo_loss_fn(batch.num_response_tokens),
+                                          CAPTURE, lambda loss: loss.backward(), taps, micro_batch_tokens)
     plan.reduce_gradients(models.policy)
     out.update(policy_loss=result.loss.double(), logprobs=result.logprobs, batch=result.batch,
                policy_grads=_grads(models.policy))

@@ -18,16 +18,16 @@ import time
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
-from spectrain.parallel.spawn import run_distributed
-from tests.helpers import TINY, metrics
 
+from spectrain.batch import build_rollout_batch
 from spectrain.cli import main as cli_main
 from spectrain.config import load_config
 from spectrain.models.hf_io import load_pretrained
-from spectrain.batch import build_rollout_batch
+from spectrain.parallel.spawn import run_distributed
 from spectrain.rollout.engine import Completion, LoadStats, SpecDecodeCounters
 from spectrain.rollout.vllm.weight_probe import ProbeResult
 from spectrain.train.trainer import SpecTrainer
+from tests.helpers import TINY, metrics
 
 STEPS = 3
 EXACT = ["policy.hidden_size=32", "policy.intermediate_size=64", "policy.num_attention_heads=1",
@@ -97,7 +97,8 @@ class FixedRolloutEngine:
             return ProbeResult(0.0, [])
         params = self.model.state_dict()
         errors = {name: float((params[name].double() - t.double()).norm() / t.double().norm()) for name, t in weights}
-        return ProbeResult(max(errors.values()), [f"{n}: relative error {e:.2e}" for n, e in errors.items() if e > rtol])
+        return ProbeResult(max(errors.values()),
+                           [f"{n}: relative error {e:.2e}" for n, e in errors.items() if e > rtol])
 
     def spec_decode_counters(self) -> SpecDecodeCounters:
         return SpecDecodeCounters()
@@ -148,7 +149,8 @@ def _fit(run_dir, overrides, warmstart_dir):
 
 
 def _fit_one_thread(*args):
-    """`_fit` in this process on one thread, like the workers (spectrain.parallel.spawn): no idle threads spinning on 2 cores."""
+    """`_fit` in this process on one thread, like the workers (spectrain.parallel.spawn): no idle threads spinning
+    on 2 cores."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -168,7 +170,7 @@ def _worker(rank, world, tmp_path, layouts):
 
 def _step_rows(run_dir):
     rows = [r for r in metrics(run_dir) if r.get("policy/loss")]
-    assert [int(r["step"]) for r in rows] == list(range(STEPS)), run_dir
+    assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1)), run_dir
     return rows
 
 
@@ -189,8 +191,8 @@ def test_parallel_fits_reproduce_one_process(tmp_path):
     per_rank = [{name: _fit_one_thread(tmp_path / name, overrides, tmp_path / f"warmstart_{name}")}
                 for name, (w, overrides) in LAYOUTS.items() if w == 1]
     per_rank += [res for world in (2, 4)  # one launch per world size: starting processes is most of the cost
-                 for res in run_distributed(_worker, world, tmp_path, [n for n, (w, _) in LAYOUTS.items() if w == world],
-                                            timeout=600)]
+                 for res in run_distributed(_worker, world, tmp_path,
+                                            [n for n, (w, _) in LAYOUTS.items() if w == world], timeout=600)]
     for name in LAYOUTS:
         got = _step_rows(tmp_path / name)
         assert _compared_columns(got[0]) == columns, name
@@ -230,7 +232,7 @@ def test_fit_pp2_end_to_end(tmp_path):
     assert 1 <= stopped_at < 4 and (run_dir / "checkpoints/last.ckpt").is_file()
     assert cli_main(["fit", "tiny_cpu", *overrides]) == 0
     rows = [r for r in metrics(run_dir) if r.get("policy/loss")]
-    assert [int(r["step"]) for r in rows] == [0, 1, 2, 3]
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4]
     # the last stage's clip fraction reaches rank 0's logger: non-zero on some step (whether a given step's later
     # updates clip depends on its samples; measured 0.12, 0.0, 0.04, ...)
     assert any(float(r["policy/clip_fraction"]) > 0 for r in rows), rows

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from spectrain.parallel.spawn import run_distributed
 from spectrain.ops.ttt_attention import ttt_attention
 from spectrain.parallel.cp.ring import ZigzagRingAttentionOps, zigzag_ring_attention
 from spectrain.parallel.cp.zigzag import ZigzagLayout, shard, shift_left, unshard
+from spectrain.parallel.spawn import run_distributed
 
 pytestmark = pytest.mark.slow
 

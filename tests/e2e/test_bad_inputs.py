@@ -22,13 +22,12 @@ import torch
 
 from spectrain.cli import main
 from spectrain.config import load_config
-from spectrain.train.warm_start import draft_cache_key
 from spectrain.errors import ConfigError, InputWarning, RunDirError
 from spectrain.rollout.vllm.engine import CPU_ATTENTION_HEAD_SIZES, kv_cache_bytes
 from spectrain.train import inputs
 from spectrain.train.run_dir import MARKER as RUN_MARKER
 from spectrain.train.trainer import SpecTrainer
-from spectrain.train.warm_start import CACHE_META, cached, policy_cache_key, writing_cache
+from spectrain.train.warm_start import CACHE_META, cached, draft_cache_key, policy_cache_key, writing_cache
 
 BASE = ["trainer.warmstart_dir=cache", "trainer.progress_bar=false"]
 MEMORY_GIB = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
@@ -129,9 +128,11 @@ ROWS = [
     ("vllm_kwargs sets the dtype", [*FIT, NEW, "rollout.vllm_kwargs={dtype: bfloat16, enforce_eager: false}"],
      r"rollout\.vllm_kwargs: sets \['dtype', 'enforce_eager'\]", None),
     ("adaptive k under pp without C", [*FIT, NEW, "speculation.mode=concurrency", "draft.num_speculative_tokens=4",
-                                       "parallel.pp=2"], r"speculation\.verify_budget: .*run `spectrain calibrate`", None),
+                                       "parallel.pp=2"],
+     r"speculation\.verify_budget: .*run `spectrain calibrate`", None),
     ("unknown sync mode", [*FIT, NEW, "sync.on_mismatch=ignore"], r"sync\.on_mismatch: 'ignore' is not one of", None),
-    ("negative logprob tolerance", [*FIT, NEW, "sync.logprob_tolerance=-1"], r"sync\.logprob_tolerance: is -1\.0", None),
+    ("negative logprob tolerance", [*FIT, NEW, "sync.logprob_tolerance=-1"],
+     r"sync\.logprob_tolerance: is -1\.0", None),
     ("zero weight tolerance", [*FIT, NEW, "sync.weight_rtol=0"], r"sync\.weight_rtol: is 0\.0", None),
     ("unknown on_dead", [*FIT, NEW, "draft.on_dead=ignore"], r"draft\.on_dead: 'ignore' is not one of", None),
     ("collapse ratio of 1", [*FIT, NEW, "draft.collapse_ratio=1"], r"draft\.collapse_ratio: is 1\.0", None),
@@ -142,7 +143,8 @@ ROWS = [
     ("KV cache below one sequence", [*FIT, NEW, "rollout.kv_cache_gib=0.0004"],
      r"rollout\.kv_cache_gib=0\.0004 cannot hold one sequence of 132 tokens .* give at least 0\.00061", None),
     ("VLLM_CPU_KVCACHE_SPACE disagrees", [*FIT, NEW, "rollout.kv_cache_gib=0.5"],
-     r"VLLM_CPU_KVCACHE_SPACE='1' .* rollout\.kv_cache_gib=0\.5", lambda: os.environ.update(VLLM_CPU_KVCACHE_SPACE="1")),
+     r"VLLM_CPU_KVCACHE_SPACE='1' .* rollout\.kv_cache_gib=0\.5",
+     lambda: os.environ.update(VLLM_CPU_KVCACHE_SPACE="1")),
     ("VLLM_CPU_KVCACHE_SPACE not a number", [*FIT, NEW], r"VLLM_CPU_KVCACHE_SPACE='lots'",
      lambda: os.environ.update(VLLM_CPU_KVCACHE_SPACE="lots")),
     ("model len over positions", [*FIT, NEW, "rollout.max_model_len=4096"], r"rollout\.max_model_len: 4096 exceeds",
@@ -194,13 +196,16 @@ ROWS = [
     # prompt files
     ("jsonl missing", [*FIT, NEW, "task.name=files", "data.train_files=nope.jsonl"],
      r"data\.train_files: cannot read nope\.jsonl \(No such file", None),
-    ("jsonl is a directory", [*FIT, NEW, "task.name=files", "data.train_files=."], r"data\.train_files: cannot read \.", None),
-    ("jsonl empty", [*FIT, NEW, "task.name=files", "data.train_files=p.jsonl"], r"data\.train_files: no valid rows in p\.jsonl",
+    ("jsonl is a directory", [*FIT, NEW, "task.name=files", "data.train_files=."],
+     r"data\.train_files: cannot read \.", None),
+    ("jsonl empty", [*FIT, NEW, "task.name=files", "data.train_files=p.jsonl"],
+     r"data\.train_files: no valid rows in p\.jsonl",
      lambda: write("p.jsonl", "\n")),
     ("jsonl without valid rows", [*FIT, NEW, "task.name=files", "data.train_files=p.jsonl"],
      r"data\.train_files: no valid rows in p\.jsonl \(2 bad rows\): p\.jsonl:1: invalid JSON",
      lambda: write("p.jsonl", 'nope\n{"prompt": 1, "answer": "2"}\n')),
-    ("jsonl bad row, on_bad_row=error", [*FIT, NEW, "task.name=files", "data.train_files=p.jsonl", "data.on_bad_row=error"],
+    ("jsonl bad row, on_bad_row=error",
+     [*FIT, NEW, "task.name=files", "data.train_files=p.jsonl", "data.on_bad_row=error"],
      r"data\.train_files: 1 bad rows in p\.jsonl: p\.jsonl:2: missing key\(s\) 'answer'",
      lambda: write("p.jsonl", JSONL_OK + '{"prompt": "1+1="}\n')),
     ("jsonl prompt too long", [*FIT, NEW, "task.name=files", "data.train_files=p.jsonl"],
@@ -376,7 +381,8 @@ HF_ROWS = [
     ("unknown rope type", [*HF_FIT, "policy.path=rope"], r"policy\.path: .*dynamic",
      lambda: copy_with_config("policy", "rope", rope_scaling={"rope_type": "dynamic", "factor": 2.0},
                               rope_parameters=None)),
-    ("tokenizer beyond the model's vocab", [*HF_FIT, "policy.path=small", "tokenizer.path=${spectrain.asset:hf_tiny/policy}"],
+    ("tokenizer beyond the model's vocab",
+     [*HF_FIT, "policy.path=small", "tokenizer.path=${spectrain.asset:hf_tiny/policy}"],
      r"tokenizer\.path: the tokenizer has \d+ tokens but the policy's vocab_size is 100",
      lambda: copy_with_config("policy", "small", vocab_size=100)),
     ("draft of another hidden size", [*HF_FIT, "draft.path=wide"], r"draft\.path=wide.*hidden",
@@ -565,7 +571,8 @@ GPU_PATH_ROWS = [
      r'policy\.attention_backend: .*pip install -e "\.\[flash-attn\]"', None),
     ("triton attention on CPU", [*FIT, NEW, CPU, "policy.attention_backend=triton"],
      r"policy\.attention_backend: .*TRITON_INTERPRET", None),
-    ("triton draft loss on CPU", [*FIT, NEW, CPU, "draft.loss_kernel=triton"], r"draft\.loss_kernel=triton needs", None),
+    ("triton draft loss on CPU", [*FIT, NEW, CPU, "draft.loss_kernel=triton"],
+     r"draft\.loss_kernel=triton needs", None),
     ("unknown rollout engine", [*FIT, NEW, "rollout.engine=sglang"], r"rollout\.engine: 'sglang' is not one of", None),
     ("torch engine with the bandit", [*FIT, NEW, "rollout.engine=torch", "speculation.mode=bandit"],
      r"speculation\.mode.*rollout\.engine=torch", None),
@@ -583,7 +590,8 @@ def test_gpu_path_asked_for_where_it_cannot_run_is_refused(world, monkeypatch, c
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: trainer.accelerator=cuda is valid here")
 def test_cuda_asked_for_without_cuda_is_refused(world, monkeypatch, capsys):
     assert_refused(world, monkeypatch, capsys, [*FIT, NEW, "trainer.accelerator=cuda"],
-                   r"trainer\.accelerator: is cuda, but .*; use trainer\.accelerator=auto .* or trainer\.accelerator=cpu",
+                   r"trainer\.accelerator: is cuda, but .*; use trainer\.accelerator=auto .* "
+                   r"or trainer\.accelerator=cpu",
                    None)
 
 

@@ -4,10 +4,10 @@ smaller than the policy's with d2t/t2d, the target's embedding copied in): `load
 import pytest
 import torch
 
+from spectrain.batch import build_rollout_batch
 from spectrain.models.eagle3 import export_draft, load_draft
 from spectrain.models.hf_io import save_pretrained
 from spectrain.parallel.plan import draft_inputs_from, ttt_valid_tokens
-from spectrain.batch import build_rollout_batch
 from spectrain.rollout.engine import Completion, SamplingConfig
 from spectrain.rollout.vllm.engine import VLLMRolloutEngine
 from spectrain.tasks.draft_vocab import vocab_mapping_from_token_ids

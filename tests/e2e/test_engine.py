@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from spectrain.tasks.tokenizer import CharTokenizer
 from spectrain.models.llama import pack_sequences
-from spectrain.train.grpo import token_logprobs
 from spectrain.rollout.engine import SamplingConfig
 from spectrain.rollout.vllm.engine import RolloutEngineError, VLLMRolloutEngine
+from spectrain.tasks.tokenizer import CharTokenizer
+from spectrain.train.grpo import token_logprobs
 from tests.helpers import tiny_policy
 
 LOGPROB_ATOL = 1e-4  # float32 engine vs float32 trainer; observed ~3e-6

@@ -5,18 +5,19 @@ import math
 import pytest
 
 from spectrain.cli import main as cli_main
-from tests.helpers import TINY, column, metrics
 from spectrain.config import ConfigError, load_config
 from spectrain.errors import RunDirError
 from spectrain.train.trainer import SpecTrainer
+from tests.helpers import TINY, column, metrics
+
 
 def untrained_draft_loss(run_dir, config) -> float:
     """The draft's TTT loss at its initialisation (one warm-up step at lr 0) on the warm-started policy."""
+    from spectrain.models.hf_io import load_pretrained
     from spectrain.tasks.arithmetic import ArithmeticTask
     from spectrain.tasks.tokenizer import CharTokenizer
     from spectrain.train.draft_update import draft_optimizer
     from spectrain.train.warm_start import build_draft, warm_up_draft
-    from spectrain.models.hf_io import load_pretrained
 
     policy = load_pretrained(run_dir / "warmstart" / "policy")
     d, task = config.draft, ArithmeticTask(config.task.digits, config.task.operands)
@@ -37,12 +38,13 @@ def test_fit_runs_end_to_end_and_resumes(tmp_path):
         assert (run_dir / path).is_file(), path
     rows = metrics(run_dir)
     steps = {int(r["step"]) for r in rows if r.get("policy/loss")}
-    assert steps == {0, 1}
+    assert steps == {1, 2} and "epoch" not in rows[0]  # counted from 1, as the plots and max_steps count
     rewards = column(rows, "reward")
     assert len(rewards) == 2 and all(0 <= r <= 1 for r in rewards), rewards
     acceptance = column(rows, "spec/mean_acceptance_length")
     assert len(acceptance) == 2 and all(a > 1 for a in acceptance), acceptance  # the synced draft is accepted
-    assert all(0 < d < 1e-3 for d in column(rows, "policy/engine_logprob_diff"))  # verified: the engine serves the policy
+    # verified: the engine serves the policy
+    assert all(0 < d < 1e-3 for d in column(rows, "policy/engine_logprob_diff"))
     assert column(rows, "sync/mismatches") == [0.0, 0.0]
     # 4 prompts x 4 samples fit the KV cache: all ran at once, none waited or was preempted
     assert column(rows, "rollout/max_running") == [16.0, 16.0] and column(rows, "rollout/preemptions") == [0.0, 0.0]
@@ -50,7 +52,7 @@ def test_fit_runs_end_to_end_and_resumes(tmp_path):
     draft_losses = column(rows, "draft/loss")
     untrained = untrained_draft_loss(run_dir, load_config("tiny_cpu", [f"trainer.run_dir={run_dir}", *TINY]))
     assert len(draft_losses) == 2 and all(loss < untrained for loss in draft_losses), (draft_losses, untrained)
-    last = next(r for r in rows if r.get("policy/kl") and int(r["step"]) == 1)
+    last = next(r for r in rows if r.get("policy/kl") and int(r["step"]) == 2)
     assert float(last["policy/kl"]) > 0 and 0 <= float(last["policy/clip_fraction"]) <= 1
     summary = json.loads((run_dir / "spectrain_run.json").read_text())["result"]
     assert summary["steps"] == 2 and set(summary["final"]) == {"greedy_reward", "sampled_reward", "sampled_reward_se"}
@@ -66,7 +68,7 @@ def test_fit_runs_end_to_end_and_resumes(tmp_path):
     config = load_config("tiny_cpu", [f"trainer.run_dir={run_dir}", "trainer.max_steps=3", *TINY])
     result = SpecTrainer(config).fit()
     assert result.steps == 3
-    assert {int(r["step"]) for r in metrics(run_dir) if r.get("policy/loss")} == {0, 1, 2}
+    assert {int(r["step"]) for r in metrics(run_dir) if r.get("policy/loss")} == {1, 2, 3}
 
     # A resume that changes what is trained is refused, and the run is left as it was.
     changed = load_config("tiny_cpu", [f"trainer.run_dir={run_dir}", "grpo.lr=1.0", *TINY])

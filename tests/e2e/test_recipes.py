@@ -16,9 +16,9 @@ from lightning.pytorch.callbacks import Callback
 
 from spectrain.cli import main as cli_main
 from spectrain.config import load_config
+from spectrain.rollout.speculation.calibration import load_verify_budget
 from spectrain.tasks.arithmetic import ArithmeticTask
 from spectrain.tasks.tokenizer import CharTokenizer
-from spectrain.rollout.speculation.calibration import load_verify_budget
 from tests.helpers import TINY, column, metrics
 
 STEPS = 2
@@ -88,9 +88,9 @@ def test_longtail_recipe_trains_the_draft_in_the_tail(tmp_path, shared_warmstart
     rows = metrics(run)
     assert_rewards_in_unit_interval(summary, column(rows, "reward"))
     assert_speculation_accepts(column(rows, "spec/mean_acceptance_length"))
-    # step 1 has no taps to train on yet; step 2's tail ran 1..max_steps (4) spot steps
-    spot_steps = column(rows, "spot/draft_steps")
-    assert len(spot_steps) == 1 and 1 <= spot_steps[0] <= 4, spot_steps
+    # step 1 has no taps to train on yet; step 2's tail ran 1..max_updates (4) spot updates
+    spot_updates = column(rows, "spot/draft_updates")
+    assert len(spot_updates) == 1 and 1 <= spot_updates[0] <= 4, spot_updates
     assert all(math.isfinite(loss) for loss in column(rows, "draft/loss"))
 
 
@@ -175,7 +175,8 @@ def test_bandit_user_recipe_with_jsonl_task_tensorboard_mlflow_and_callback(tmp_
     assert [(r["step"], r["result_step"]) for r in ends] == [(1, 1), (2, 2)]  # StepResult.step counts from 1
 
     # the controller's plays per (batch bucket, arm), checkpointed: it tried more than one k
-    counts = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["speculation_controller"]["selector"]["counts"]
+    counts = torch.load(run / "checkpoints" / "last.ckpt",
+                        weights_only=False)["speculation_controller"]["selector"]["counts"]
     arms_played = {arm for bucket in counts for arm, plays in enumerate(bucket) if plays}
     assert len(arms_played) > 1, counts
 

@@ -5,7 +5,6 @@ until it is inside the phase, sends the signal, and checks the exit code (128 + 
 line is the one `error:` line naming the phase, that no traceback is printed, that no partial warm-start
 cache is left behind, and that the same command is accepted again.
 """
-import os
 import signal
 import subprocess
 import sys

@@ -47,10 +47,10 @@ def test_bandit_holds_each_arm_two_steps_and_rewards_the_second():
 
 def test_long_tail_trainer_only_below_threshold_and_capped():
     calls = []
-    trainer = LongTailTrainer(LongTailPolicy(threshold=4, max_steps=2), lambda: calls.append(1))
+    trainer = LongTailTrainer(LongTailPolicy(threshold=4, max_updates=2), lambda: calls.append(1))
     trainer.begin_rollout()
     ran = [trainer.maybe_run(live) for live in (16, 8, 4, 3, 2, 1, 1)]
-    assert ran == [False, False, False, True, True, False, False] and trainer.steps == 2
+    assert ran == [False, False, False, True, True, False, False] and trainer.updates == 2
     trainer.begin_rollout()  # the cap is per rollout
     assert trainer.maybe_run(1) and len(calls) == 3
 
@@ -68,7 +68,8 @@ def test_verify_budget_missing_calibration_names_the_command(tmp_path):
 def test_recipes_switch_on_what_they_say():
     assert load_config("tiny_cpu_concurrency").speculation.mode == "concurrency"
     bandit = load_config("tiny_cpu_bandit")
-    assert bandit.speculation.mode == "bandit" and max(bandit.speculation.bandit.arms) <= bandit.draft.num_speculative_tokens
+    assert (bandit.speculation.mode == "bandit"
+            and max(bandit.speculation.bandit.arms) <= bandit.draft.num_speculative_tokens)
     assert load_config("tiny_cpu_longtail").speculation.long_tail.enabled
     with pytest.raises(ConfigError, match="speculation.bandit.arms"):
         load_config("tiny_cpu_bandit", ["speculation.bandit.arms=[1,9]"])
@@ -98,11 +99,11 @@ def test_module_checkpoints_the_bandit_state():
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     pytest.importorskip("vllm")
-    from spectrain.tasks.tokenizer import save_tokenizer
     from spectrain.models.eagle3 import Eagle3Config, Eagle3Draft, export_draft
     from spectrain.models.hf_io import save_pretrained
     from spectrain.models.llama import LlamaConfig, LlamaForCausalLM
     from spectrain.rollout.vllm.engine import VLLMRolloutEngine
+    from spectrain.tasks.tokenizer import save_tokenizer
 
     root = tmp_path_factory.mktemp("step_loop")
     torch.manual_seed(0)
@@ -213,10 +214,10 @@ def test_long_tail_trainer_runs_between_steps_below_threshold(engine):
     from spectrain.rollout.step_loop import generate_stepwise
 
     live_at_call = []
-    spot = LongTailTrainer(LongTailPolicy(threshold=3, max_steps=2),
+    spot = LongTailTrainer(LongTailPolicy(threshold=3, max_updates=2),
                            lambda: live_at_call.append(engine.llm.llm_engine.get_num_unfinished_requests()))
     result = generate_stepwise(engine, prompts(8), long_tail(8), FixedK(0), idle_hook=spot)
-    assert spot.steps == 2 and live_at_call == [2, 1]
+    assert spot.updates == 2 and live_at_call == [2, 1]
     assert len(result.completions) == 8
 
 

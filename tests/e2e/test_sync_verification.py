@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from spectrain.callbacks import SpeculationDeadError, WeightSync
-from spectrain.tasks.tokenizer import CharTokenizer
 from spectrain.errors import SyncMismatchError
 from spectrain.models.eagle3 import Eagle3Config, Eagle3Draft, draft_sync_weights, export_draft
 from spectrain.models.hf_io import save_pretrained
 from spectrain.parallel.plan import LocalPlan
 from spectrain.rollout.engine import SamplingConfig, SpecDecodeCounters
 from spectrain.rollout.vllm.engine import VLLMRolloutEngine
-from tests.helpers import tiny_policy, step_outputs
+from spectrain.tasks.tokenizer import CharTokenizer
+from tests.helpers import step_outputs, tiny_policy
 
 pytestmark = pytest.mark.slow
 RTOL = 1e-4  # float32 engine vs float32 trainer: observed 3e-7
@@ -171,7 +171,8 @@ def test_a_collapse_with_the_right_drafter_only_warns(world):
     callback.on_train_start(trainer_at(5), module)
     callback.load_state_dict({"policy_version": 5, "draft_version": 5, "recent_gains": [2.0, 2.0, 2.0]})
     module.rollout_stats = rollout_stats(drafts=50, accepted=10)
-    with pytest.warns(UserWarning, match="fell to 1.20 .*the engine serves the synced draft .*predicts the policy worse"):
+    with pytest.warns(UserWarning,
+                      match="fell to 1.20 .*the engine serves the synced draft .*predicts the policy worse"):
         callback.on_train_batch_end(trainer_at(6), module, step_outputs(module), None, 0)
 
 

@@ -24,7 +24,7 @@ def test_fit_with_the_torch_engine_never_imports_vllm(tmp_path):
                           timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     rows = metrics(run_dir)
-    assert {int(r["step"]) for r in rows if r.get("policy/loss")} == {0, 1}
+    assert {int(r["step"]) for r in rows if r.get("policy/loss")} == {1, 2}
     rewards, losses = column(rows, "reward"), column(rows, "policy/loss")
     assert len(rewards) == 2 and all(0 <= r <= 1 for r in rewards), rewards
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses), losses

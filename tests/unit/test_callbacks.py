@@ -5,11 +5,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from spectrain.batch import build_rollout_batch
 from spectrain.callbacks import AcceptanceLengthLogger, DraftCoTraining, SpeculationDeadError, WeightSync
 from spectrain.models.eagle3 import Eagle3Config, Eagle3Draft
 from spectrain.models.llama import LlamaConfig, LlamaForCausalLM, pack_sequences
 from spectrain.parallel.plan import LocalPlan, draft_inputs_from, ttt_valid_tokens
-from spectrain.batch import build_rollout_batch
 from spectrain.rollout.engine import Completion, ProbeResult, SpecDecodeCounters
 from tests.helpers import step_outputs
 
@@ -111,7 +111,8 @@ def test_an_acceptance_of_nothing_is_dead_only_if_the_drafter_is_not_the_synced_
     engine = SimpleNamespace(sync_policy=lambda w, v: None, sync_draft=lambda w, v: None,
                              verify_weights=lambda w, which, rtol: probe)
     module = Module(engine=engine, plan=LocalPlan(), policy=torch.nn.Linear(2, 2), draft=object(), trains_draft=True,
-                    logged={}, rollout_stats=None, policy_weights_for_sync=lambda: [], draft_weights_for_sync=lambda: [])
+                    logged={}, rollout_stats=None, policy_weights_for_sync=lambda: [],
+                    draft_weights_for_sync=lambda: [])
     callback = WeightSync(min_drafts_for_check=10)
     callback.on_train_start(sync_trainer(0), module)  # synced and verified
     module.rollout_stats = stats(drafts=50, accepted=7)
@@ -199,7 +200,8 @@ def test_every_overridden_hook_says_so():
 def test_held_out_evaluations_keep_their_own_checkpoint_state():
     from spectrain.callbacks import HeldOutEval
 
-    every_10, every_5 = HeldOutEval([1, 2], every_n_steps=10, samples=8), HeldOutEval([1, 2], every_n_steps=5, samples=8)
+    every_10, every_5 = (HeldOutEval([1, 2], every_n_steps=10, samples=8),
+                         HeldOutEval([1, 2], every_n_steps=5, samples=8))
     assert every_10.state_key != every_5.state_key
     assert every_10.state_key == HeldOutEval([3, 4], every_n_steps=10, samples=8).state_key  # what a resume rebuilds
 
@@ -208,7 +210,8 @@ def test_a_checkpoint_from_before_the_state_keys_still_restores_the_history():
     """Checkpoints written before HeldOutEval's key named its settings hold its history under the class name."""
     from spectrain.callbacks import HeldOutEval, RunHistory
 
-    old = {"callbacks": {"HeldOutEval": {"history": [{"step": 0, "greedy_reward": 0.5}]}, "RunHistory": {"history": []}}}
+    old = {"callbacks": {"HeldOutEval": {"history": [{"step": 0, "greedy_reward": 0.5}]},
+                         "RunHistory": {"history": []}}}
     evaluation = HeldOutEval([1, 2], every_n_steps=10, samples=8)
     evaluation.on_load_checkpoint(None, None, old)
     evaluation.load_state_dict(old["callbacks"][evaluation.state_key])

@@ -34,7 +34,8 @@ def test_recipes_lists_every_packaged_recipe_with_its_description(capsys):
 
 def test_recipe_description_is_the_first_sentence_of_the_header(tmp_path):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("# A recipe, e.g. for a test. Second sentence\n# goes on.\n#\n# More.\ntrainer:\n  max_steps: 1\n")
+    recipe.write_text("# A recipe, e.g. for a test. Second sentence\n# goes on.\n#\n# More.\n"
+                      "trainer:\n  max_steps: 1\n")
     assert cli.recipe_description(recipe) == "A recipe, e.g. for a test."
     recipe.write_text("trainer:\n  max_steps: 1\n")
     assert cli.recipe_description(recipe) == "(no header comment)"

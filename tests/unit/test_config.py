@@ -42,6 +42,9 @@ def test_packaged_parent_by_name(tmp_path):
     (["task.name=jsonl"], "task.name: 'jsonl' is now 'files'"),
     (["data.train_files=x.jsonl"], "task.name"),
     (["task.path=x.jsonl"], "'task.path' was renamed to 'data.train_files'"),
+    (["speculation.long_tail.max_steps=2"],
+     "'speculation.long_tail.max_steps' was renamed to 'speculation.long_tail.max_updates'"),
+    (["speculation.long_tail.max_updates=-1"], "speculation.long_tail.max_updates: is -1"),
     (["reward.name=custom"], "reward.path"),
     (["reward.name=nope"], "reward.name"),
     (["draft.init=path"], "draft.path"),
@@ -110,8 +113,9 @@ def test_renamed_and_removed_keys_do_not_invalidate_what_an_older_spectrain_reco
     key = draft_cache_key(load_config())
     draft = key["draft"]
     recorded = {**key, "sft": {**key["sft"], "eval_prompts": 128},  # a draft warm-up cached before the renames
-                "draft": {"ttt_steps": draft["ttt_passes"], "aux_layer_ids": draft["tap_layers"], "warmup_lr": draft["warmup_lr"],
-                          "pass_decay": draft["pass_decay"], "warmup_steps": draft["warmup_steps"],
+                "draft": {"ttt_steps": draft["ttt_passes"], "aux_layer_ids": draft["tap_layers"],
+                          "warmup_lr": draft["warmup_lr"], "pass_decay": draft["pass_decay"],
+                          "warmup_steps": draft["warmup_steps"],
                           **{k: draft[k] for k in ("init", "path", "draft_vocab_size")}}}
     assert upgrade_recorded_keys(recorded) == key
 
@@ -177,3 +181,14 @@ def test_accepted_values_that_do_nothing_are_warned_about(overrides, needle):
 def test_their_fixes_are_not_warned_about(overrides, recwarn):
     load_config(None, overrides)
     assert input_warnings(recwarn) == []
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.keep_checkpoints=-2", r"trainer\.keep_checkpoints: is -2; give how many step checkpoints to keep: 0 "
+                                    r"\(only last\.ckpt\), N, or -1 \(all\)"),
+    ("trainer.export_every_n_steps=-1", r"trainer\.export_every_n_steps: is -1; give N >= 1 to export every N steps"),
+    ("trainer.keep_exports=0", r"trainer\.keep_exports: is 0; give how many exports to keep: N >= 1, or -1 \(all\)"),
+])
+def test_checkpoint_and_export_keys_are_checked(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("tiny_cpu", [override])

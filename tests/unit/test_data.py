@@ -8,6 +8,7 @@ import pytest
 
 from spectrain.errors import ConfigError
 from spectrain.tasks.arithmetic import ArithmeticTask, Example
+from spectrain.tasks.rewards import exact_answer_reward, extract_answer, get_reward_fn
 from spectrain.tasks.sources import FilePrompts, PromptFileError, build_prompt_source
 from spectrain.tasks.tokenizer import (
     CHARSET,
@@ -15,7 +16,6 @@ from spectrain.tasks.tokenizer import (
     build_char_tokenizer,
     save_tokenizer,
 )
-from spectrain.tasks.rewards import exact_answer_reward, extract_answer, get_reward_fn
 
 TEXTS = [
     "047+385=7+5+0=12,4+8+1=13,0+3+1=04;432",

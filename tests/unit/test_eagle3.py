@@ -139,16 +139,16 @@ def _rms(x, w, eps):
     return w * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def _reference_ttt(draft, embeds, aux, position_ids, cu_seqlens, num_steps):
+def _reference_ttt(draft, embeds, aux, position_ids, cu_seqlens, passes):
     """Per document and per pass, with the explicit `[L, d*L]` staircase mask of the paper."""
     cfg, p = draft.cfg, dict(draft.named_parameters())
     hq, hkv, dim, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
-    logits = [[] for _ in range(num_steps)]
+    logits = [[] for _ in range(passes)]
     for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
         n = b - a
         h = torch.cat([x[a:b] for x in aux], -1) @ p["fc.weight"].T
         keys, values = [], []
-        for d in range(1, num_steps + 1):
+        for d in range(1, passes + 1):
             e = torch.zeros_like(embeds[a:b])
             e[: max(n - d, 0)] = embeds[a + d:b]
             x = torch.cat([_rms(e, p["midlayer.input_layernorm.weight"], eps),

@@ -4,8 +4,8 @@ import math
 import torch
 
 from spectrain.batch import build_rollout_batch
-from spectrain.train.grpo import group_advantages, grpo_loss, minibatch_documents, token_logprobs
 from spectrain.rollout.engine import Completion
+from spectrain.train.grpo import group_advantages, grpo_loss, minibatch_documents, token_logprobs
 
 
 def test_group_advantages_hand_computed():

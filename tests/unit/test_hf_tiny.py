@@ -10,8 +10,7 @@ from safetensors.torch import load_file
 
 from spectrain.models.eagle3 import load_draft
 from spectrain.models.hf_io import load_config
-from spectrain.tasks.hf_tiny import DRAFT_VOCAB, TRAIN_ROWS, VAL_ROWS, VERSION, write_hf_tiny_assets, word_problems
-
+from spectrain.tasks.hf_tiny import DRAFT_VOCAB, TRAIN_ROWS, VAL_ROWS, VERSION, word_problems, write_hf_tiny_assets
 
 OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.floordiv}
 

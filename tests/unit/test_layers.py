@@ -14,7 +14,7 @@ PACKAGE_ROOTS = {"spectrain": REPO / "spectrain", "spectrain.callbacks": REPO / 
                  "spectrain.kernels": REPO / "kernels"}
 # Each entry: module-name prefixes of one layer, lowest first.
 LAYERS = [
-    ("spectrain.errors", "spectrain.internals", "spectrain.plots", "spectrain.machine"),
+    ("spectrain.errors", "spectrain.internals", "spectrain.plots", "spectrain.machine", "spectrain.console"),
     ("spectrain.tasks",),
     ("spectrain.config",),
     ("spectrain.ops", "spectrain.kernels"),
@@ -23,7 +23,8 @@ LAYERS = [
     ("spectrain.parallel",),
     ("spectrain.rollout",),
     ("spectrain.train", "spectrain.callbacks"),
-    ("spectrain.cli",),
+    ("spectrain.evaluate",),
+    ("spectrain.cli", "spectrain.__main__"),
 ]
 
 

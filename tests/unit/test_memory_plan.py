@@ -117,7 +117,8 @@ def test_a_logits_chunk_smaller_than_the_layers_backward_adds_only_the_lm_head_g
     """The chunk's backward runs before any layer's: the peak is the larger of the two, not their sum."""
     cfg = mp.policy_architecture(load_config("tiny_cpu", []))
     assert mp.logits_bytes(cfg, 100, layers_backward=10**9) == 4 * cfg.vocab_size * cfg.hidden_size
-    assert mp.logits_bytes(cfg, 100, layers_backward=0) == 100 * cfg.vocab_size * 8 + 4 * cfg.vocab_size * cfg.hidden_size
+    assert mp.logits_bytes(cfg, 100, layers_backward=0) == (100 * cfg.vocab_size * 8
+                                                            + 4 * cfg.vocab_size * cfg.hidden_size)
 
 
 def test_the_logits_chunk_is_the_chunked_log_softmax_default():

@@ -4,8 +4,9 @@ import json
 import pytest
 import torch
 
+from spectrain.models.eagle3 import default_tap_layers
 from spectrain.models.hf_io import load_pretrained, save_pretrained
-from spectrain.models.llama import LlamaConfig, LlamaForCausalLM, default_tap_layers, pack_sequences
+from spectrain.models.llama import LlamaConfig, LlamaForCausalLM, pack_sequences
 
 CFG = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
            num_attention_heads=4, num_key_value_heads=2)
@@ -45,6 +46,7 @@ def test_capture_of_missing_layer_is_a_clear_error(model):
 
 def test_default_aux_ids_match_vllm():
     assert default_tap_layers(32) == (2, 16, 29)
+    assert default_tap_layers(4) == (1, 2, 3)  # (2, 2, 1) would name layer 2 twice
 
 
 def test_save_load_round_trip(model, tmp_path):

@@ -12,7 +12,7 @@ from spectrain.callbacks import PolicyDrift
 from spectrain.callbacks.policy_drift import feature_shift, kl_to_reference
 from spectrain.models.hf_io import save_pretrained
 from spectrain.parallel.plan import LocalPlan
-from tests.helpers import StandInModule, mixed_length_batch, tiny_policy, step_outputs
+from tests.helpers import StandInModule, mixed_length_batch, step_outputs, tiny_policy
 
 TAPS = (1, 2, 3)
 POLICY = dict(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -91,11 +91,13 @@ def test_callback_measures_drift_from_the_warm_start_on_disk(tmp_path):
     drift.on_fit_start(trainer_at(0), module)
     assert next(drift.reference.parameters()).dtype == torch.float64
 
-    drift.on_train_batch_end(trainer_at(1), module, step_outputs(module), None, 0)  # not trained yet: the warm start itself
+    # not trained yet: the warm start itself
+    drift.on_train_batch_end(trainer_at(1), module, step_outputs(module), None, 0)
     assert module.logged["drift/kl_to_warmstart"] == 0.0 and module.logged["drift/feature_shift"] == 0.0
     assert module.logged["drift/response_len"] == (6 + 3) / 2
 
-    drift.on_train_batch_end(trainer_at(2), module, step_outputs(module), None, 0)  # skipped: NaN keeps the CSV rows aligned
+    # skipped: NaN keeps the CSV rows aligned
+    drift.on_train_batch_end(trainer_at(2), module, step_outputs(module), None, 0)
     assert all(math.isnan(module.logged[k]) for k in ("drift/kl_to_warmstart", "drift/feature_shift",
                                                        "drift/response_len"))
 

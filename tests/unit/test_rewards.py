@@ -146,3 +146,46 @@ def test_finite_rewards_are_scored_in_order():
     with pytest.raises(RewardError, match=r"^reward\.name=exact_answer returned None in the step-1 rollout on prompt "
                                           r"0, sample 0: completion 'x' with answer 'y'; return a float$"):
         score(lambda completion, answer: None, [(0, "x", "y")], reward_name("exact_answer"), "the step-1 rollout")
+
+
+def test_a_batched_reward_sees_the_prompts_and_must_return_one_float_per_sample():
+    from spectrain.tasks.rewards import RewardInput, reward_inputs, score_batch
+
+    samples = reward_inputs([(0, "a", "1"), (0, "b", "1"), (1, "c", "2")], prompts=["1+0=", "1+1="])
+    assert samples[1] == RewardInput("1+0=", "b", "1", prompt_index=0, sample_index=1)
+    assert samples[2].prompt == "1+1=" and samples[2].sample_index == 0
+    rewards = score_batch(lambda batch: [len(s.prompt) + s.sample_index for s in batch], samples, "MyTrainer.rewards",
+                          "the step-1 rollout")
+    assert rewards.tolist() == [4.0, 5.0, 4.0]
+    with pytest.raises(RewardError, match=r"^MyTrainer\.rewards returned 2 rewards in the step-1 rollout for 3 "
+                                          r"samples; return one float per sample, in their order$"):
+        score_batch(lambda batch: [1.0, 1.0], samples, "MyTrainer.rewards", "the step-1 rollout")
+    with pytest.raises(RewardError, match=r"^MyTrainer\.rewards returned 1\.0 in the step-1 rollout for 3 samples"):
+        score_batch(lambda batch: 1.0, samples, "MyTrainer.rewards", "the step-1 rollout")
+    with pytest.raises(RewardError, match=r"returned nan in the step-1 rollout on prompt 1, sample 0: completion 'c'"):
+        score_batch(lambda batch: [0.0, 0.0, float("nan")], samples, "MyTrainer.rewards", "the step-1 rollout")
+
+
+def test_errors_name_the_overridden_reward_hook():
+    from spectrain.config import load_config
+    from spectrain.train.trainer import SpecTrainer
+
+    class Batched(SpecTrainer):
+        def rewards(self, samples):
+            return [0.0] * len(samples)
+
+    class PerSample(SpecTrainer):
+        def reward(self, completion, answer):
+            return 0.0
+
+    config = load_config("tiny_cpu", [])
+    assert SpecTrainer(config).reward_hook_name() is None
+    assert Batched(config).reward_hook_name() == "Batched.rewards"
+    assert PerSample(config).reward_hook_name() == "PerSample.reward"
+    assert PerSample(config).rewards(reward_inputs_for_test()) == [0.0]
+
+
+def reward_inputs_for_test():
+    from spectrain.tasks.rewards import reward_inputs
+
+    return reward_inputs([(0, "x", "y")])

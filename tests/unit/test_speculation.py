@@ -10,8 +10,13 @@ from collections import Counter
 import pytest
 
 from spectrain.errors import ConfigError, RunDirError
-from spectrain.rollout.speculation.bandit import (BanditSelector, BatchBucket, SpecArm, accepted_tokens_per_second,
-                                                  buckets_by_verify_budget)
+from spectrain.rollout.speculation.bandit import (
+    BanditSelector,
+    BatchBucket,
+    SpecArm,
+    accepted_tokens_per_second,
+    buckets_by_verify_budget,
+)
 from spectrain.rollout.speculation.calibration import CalibrationResult, calibrate_verify_budget
 from spectrain.rollout.speculation.long_tail import LongTailPolicy
 from spectrain.rollout.speculation.rule import ConcurrencyAwareRule
@@ -230,7 +235,7 @@ def test_calibration_needs_three_batch_sizes():
 
 # ------------------------------------------------------------------ long tail
 
-def test_long_tail_thresholds_and_max_steps():
-    policy = LongTailPolicy(threshold=4, max_steps=2)
+def test_long_tail_thresholds_and_max_updates():
+    policy = LongTailPolicy(threshold=4, max_updates=2)
     assert [policy.should_train(b, 0) for b in (0, 1, 3, 4, 5, 64)] == [False, True, True, False, False, False]
-    assert [policy.should_train(2, steps_taken=s) for s in range(4)] == [True, True, False, False]
+    assert [policy.should_train(2, updates_taken=s) for s in range(4)] == [True, True, False, False]

@@ -3,10 +3,10 @@ import pytest
 import torch
 
 from spectrain.config import ConfigError, load_config
+from spectrain.machine import resolve_device
 from spectrain.models.hf_io import save_pretrained
 from spectrain.models.llama import LlamaConfig, LlamaForCausalLM, pack_sequences
 from spectrain.rollout.engine import RolloutEngine, SamplingConfig, SpecDecodeCounters
-from spectrain.machine import resolve_device
 from spectrain.rollout.torch_engine import TorchSamplingEngine, sample_tokens, top_p_filter
 from spectrain.train.grpo import token_logprobs
 from tests.helpers import tiny_policy

@@ -15,13 +15,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from spectrain.batch import RolloutBatch, concat_batches, micro_batches
 from spectrain.models.llama import LlamaForCausalLM
-from spectrain.parallel.mesh import MESH_DIMS, ROLLOUT_RANK, all_reduce_gradients
-from spectrain.parallel.plan import LocalPlan, PolicyStepResult, ShiftFn, micro_batch_step
 from spectrain.parallel.cp.ring import ZigzagRingAttentionOps
 from spectrain.parallel.cp.zigzag import ZigzagLayout, shard, shift_left
+from spectrain.parallel.mesh import MESH_DIMS, ROLLOUT_RANK, all_reduce_gradients
+from spectrain.parallel.plan import LocalPlan, PolicyStepResult, ShiftFn, micro_batch_step
 from spectrain.parallel.torch_compat import flatten_mesh
-from spectrain.batch import RolloutBatch, concat_batches, micro_batches
 
 
 def check_cp_attention_ops(ops) -> None:

@@ -204,7 +204,7 @@ class ZigzagRingAttentionOps:
                 dkv = dkv_b.to(acc)
             else:
                 dkv_comm.wait()
-                dkv = next_dkv
+                dkv = next_dkv  # noqa: F821 (bound by the previous hop, which started this wait)
                 _add_rows(dkv, st.kv_rows, dkv_b, dim=1)
             # The accumulator follows its K/V to the next rank; the last hop brings it home.
             next_dkv = dkv_comm.send_recv(dkv)

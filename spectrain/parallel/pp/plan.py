@@ -37,30 +37,30 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from spectrain.batch import RolloutBatch, concat_batches
 from spectrain.config.schema import PP_STAGES_PER_RANK
 from spectrain.models.llama import CausalLMOutput, LlamaConfig, LlamaForCausalLM
+from spectrain.ops.chunked_logprobs import dense_token_logprobs
 from spectrain.parallel.cp.plan import (
     check_cp_attention_ops,
     dp_documents,
     shard_batch,
     zigzag_shift_fn,
 )
+from spectrain.parallel.cp.ring import ZigzagRingAttentionOps
+from spectrain.parallel.cp.zigzag import ZigzagLayout
 from spectrain.parallel.mesh import MESH_DIMS, ROLLOUT_RANK, all_reduce_gradients, by_dtype
-from spectrain.parallel.pp.runner import PipelineRunner, make_tap_channel, split_microbatches
-from spectrain.parallel.pp.stages import local_stage_indices, split_policy
 from spectrain.parallel.plan import (
+    UNSET_NORMALISER,
     LocalPlan,
     PolicyLossFn,
     PolicyStepResult,
-    UNSET_NORMALISER,
     draft_inputs_from,
 )
-from spectrain.ops.chunked_logprobs import dense_token_logprobs
-from spectrain.parallel.cp.ring import ZigzagRingAttentionOps
+from spectrain.parallel.pp.runner import PipelineRunner, make_tap_channel, split_microbatches
+from spectrain.parallel.pp.stages import local_stage_indices, split_policy
 from spectrain.parallel.pp.tap_channel import TapChannel, new_tap_group
-from spectrain.parallel.cp.zigzag import ZigzagLayout
 from spectrain.parallel.torch_compat import flatten_dense_tensors, flatten_mesh, unflatten_dense_tensors
-from spectrain.batch import RolloutBatch, concat_batches
 
 TOKEN_MULTIPLE = 64
 

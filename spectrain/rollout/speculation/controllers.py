@@ -11,8 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from spectrain.config import SpecTrainConfig
-from spectrain.rollout.speculation.bandit import (BanditSelector, SpecArm, accepted_tokens_per_second,
-                                                  buckets_by_verify_budget)
+from spectrain.rollout.speculation.bandit import (
+    BanditSelector,
+    SpecArm,
+    accepted_tokens_per_second,
+    buckets_by_verify_budget,
+)
 from spectrain.rollout.speculation.calibration import load_verify_budget
 from spectrain.rollout.speculation.rule import ConcurrencyAwareRule
 from spectrain.rollout.step_loop import SpecController, StepRecord

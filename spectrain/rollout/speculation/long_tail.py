@@ -13,21 +13,21 @@ class LongTailPolicy:
 
     In the rollout's long tail a handful of long sequences hold the workers; while some, but
     fewer than `threshold`, are live the draft may take (pre-emptible) spot updates, published
-    at the next weight sync; at most `max_steps` per rollout.
+    at the next weight sync; at most `max_updates` per rollout.
     """
 
     threshold: int
-    max_steps: int
+    max_updates: int
 
-    def should_train(self, live_batch_size: int, steps_taken: int) -> bool:
-        """Take one more spot update now? (`steps_taken` in this rollout so far)."""
-        return 0 < live_batch_size < self.threshold and steps_taken < self.max_steps
+    def should_train(self, live_batch_size: int, updates_taken: int) -> bool:
+        """Take one more spot update now? (`updates_taken` in this rollout so far)."""
+        return 0 < live_batch_size < self.threshold and updates_taken < self.max_updates
 
 
 class LongTailTrainer:
     """Runs spot updates between engine steps (the step loop's `idle_hook`).
 
-    While `policy.should_train(live, steps)` holds it runs one `train_step()` and hands control
+    While `policy.should_train(live, updates)` holds it runs one `train_step()` and hands control
     back, so the rollout is never held up by more than one draft update. The trained draft
     reaches the engine at the next weight sync.
     """
@@ -35,17 +35,17 @@ class LongTailTrainer:
     def __init__(self, policy: LongTailPolicy, train_step: Callable[[], Any]) -> None:
         self.policy = policy
         self.train_step = train_step
-        self.steps = 0  # in the current rollout
+        self.updates = 0  # in the current rollout
         self.seconds = 0.0
 
     def begin_rollout(self) -> None:
-        self.steps, self.seconds = 0, 0.0
+        self.updates, self.seconds = 0, 0.0
 
     def maybe_run(self, live: int) -> bool:
-        if not self.policy.should_train(live, self.steps):
+        if not self.policy.should_train(live, self.updates):
             return False
         started = time.perf_counter()
         self.train_step()
         self.seconds += time.perf_counter() - started
-        self.steps += 1
+        self.updates += 1
         return True

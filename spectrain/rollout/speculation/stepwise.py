@@ -34,7 +34,7 @@ class StepwiseRollouts:
         self.metrics = {"rollout/engine_steps": float(len(result.trace)),
                         "spec/k_mean": sum(r.k for r in result.trace) / steps}
         if spot is not None:
-            self.metrics.update({"spot/draft_steps": float(spot.steps), "spot/seconds": spot.seconds})
+            self.metrics.update({"spot/draft_updates": float(spot.updates), "spot/seconds": spot.seconds})
         if self.controller is not None:
             self.metrics.update(self.controller.rollout_metrics())
         return result.completions

@@ -15,10 +15,17 @@ import os
 import time
 from pathlib import Path
 
+from spectrain import console
 from spectrain.config.schema import VLLM_KWARGS_SET_BY_SPECTRAIN
 from spectrain.errors import ConfigError, RolloutEngineError, RunInterrupted
-from spectrain.rollout.engine import (Completion, LoadStats, NamedTensors, ProbeResult, SamplingConfig,
-                                      SpecDecodeCounters)
+from spectrain.rollout.engine import (
+    Completion,
+    LoadStats,
+    NamedTensors,
+    ProbeResult,
+    SamplingConfig,
+    SpecDecodeCounters,
+)
 from spectrain.rollout.vllm import compat
 from spectrain.rollout.vllm import cpu_fixes as vllm_cpu_fixes
 from spectrain.rollout.vllm.weight_probe import compare_report, report_engine_weights
@@ -141,6 +148,7 @@ class VLLMRolloutEngine:
         assert not set(vllm_kwargs or {}) & set(kwargs), "config.validate refuses what spectrain sets itself"
         assert set(kwargs) | {"speculative_config"} <= set(VLLM_KWARGS_SET_BY_SPECTRAIN)
         kwargs.update(vllm_kwargs or {})
+        kwargs.setdefault("use_tqdm_on_load", console.verbose())  # its "Loading safetensors" bars, per sync too
         if draft_dir:
             spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": num_speculative_tokens}
             if spec_schedule:
@@ -155,6 +163,8 @@ class VLLMRolloutEngine:
             compat.check_version()
             if current_platform.is_cpu() and draft_dir:
                 vllm_cpu_fixes.install()  # vLLM-cpu mis-expands sampling params (see module)
+            if current_platform.is_cpu():
+                console.explain_cpu_engine()
 
             started = time.perf_counter()
             self.llm = LLM(**kwargs)

@@ -1,0 +1,55 @@
+"""`trainer.keep_checkpoints` and `trainer.export_every_n_steps` through `spectrain fit`, a resume, and vLLM loading
+an export: the newest step checkpoints and exports stay, a resume goes on counting, and an export serves rollouts
+with its draft."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from spectrain.cli import main as cli_main
+from spectrain.rollout.engine import SamplingConfig
+from spectrain.rollout.vllm.engine import VLLMRolloutEngine
+from spectrain.tasks.tokenizer import CharTokenizer
+from tests.helpers import TINY
+
+pytestmark = pytest.mark.slow
+KEEP = ["trainer.keep_checkpoints=2", "trainer.export_every_n_steps=1", "trainer.keep_exports=2",
+        "trainer.eval_every_n_steps=0", "trainer.log_samples_every_n_steps=0"]
+
+
+def fit(run, steps: int) -> None:
+    assert cli_main(["fit", "tiny_cpu", f"trainer.run_dir={run}", *TINY, *KEEP, f"trainer.max_steps={steps}"]) == 0
+
+
+def names(folder) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_step_checkpoints_and_exports_are_kept_resumed_and_served_by_vllm(tmp_path):
+    run = tmp_path / "run"
+    fit(run, 3)
+    assert names(run / "checkpoints") == ["last.ckpt", "step_000002.ckpt", "step_000003.ckpt"]
+    assert names(run / "exports") == ["step_000002", "step_000003"]
+    assert torch.load(run / "checkpoints" / "step_000002.ckpt", weights_only=False)["global_step"] == 2
+
+    fit(run, 4)  # resumes from last.ckpt (step 3): the count and the pruning go on
+    assert names(run / "checkpoints") == ["last.ckpt", "step_000003.ckpt", "step_000004.ckpt"]
+    assert names(run / "exports") == ["step_000003", "step_000004"]
+    assert json.loads((run / "spectrain_run.json").read_text())["result"]["steps"] == 4
+    # the last step's export holds the weights final/ holds
+    for part, weights in (("policy", "model.safetensors"), ("draft", "model.safetensors")):
+        exported, final = (load_file(d / part / weights) for d in (run / "exports" / "step_000004", run / "final"))
+        assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
+
+    export = run / "exports" / "step_000003"
+    engine = VLLMRolloutEngine(export / "policy", export / "draft", num_speculative_tokens=3, max_model_len=128,
+                               kv_cache_gib=1)  # what the fits above set VLLM_CPU_KVCACHE_SPACE to
+    try:
+        tok = CharTokenizer()
+        prompts = [tok.encode_prompt(p) for p in ("12+34=", "50+7=", "3+3=", "81+9=")]
+        completions = engine.generate(prompts, SamplingConfig(n=1, max_tokens=8, temperature=0.0))
+        assert len(completions) == 4 and all(c.token_ids for c in completions)
+        assert engine.spec_decode_counters().num_drafts > 0  # the exported draft proposed tokens
+    finally:
+        engine.shutdown()
