@@ -1,4 +1,4 @@
-"""`spectrain` command line: fit, show-config, plan, bench, calibrate, recipes.
+"""`spectrain` command line: fit, eval, show-config, plan, bench, calibrate, recipes.
 
 Every `SpecTrainError` (a bad recipe, run directory, prompt file, engine start...) is printed
 as one line, `error: <message>`, on stderr with exit code 2; `spectrain --debug ...` raises
@@ -150,6 +150,19 @@ def _calibrate(args) -> int:
     return 0
 
 
+def _eval(args) -> int:
+    from spectrain.evaluate import evaluate_run
+
+    result = evaluate_run(args.run, val_files=args.val_files, samples=args.samples, correct_at=args.correct_at,
+                          overrides=args.overrides)
+    text = json.dumps(result, indent=2)
+    if args.out:
+        Path(args.out).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).expanduser().write_text(text + "\n")
+    print(text)
+    return 0
+
+
 def _bench(args) -> int:
     """Benchmarks live beside the package in the source tree (`benchmarks/`), not in the wheel."""
     repo = Path(__file__).resolve().parents[1]
@@ -209,6 +222,22 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(func=_show_config)
     plan.set_defaults(func=_plan)
     calib.set_defaults(func=_calibrate)
+    evaluate = sub.add_parser("eval", help="pass@k of a run's (or an export's) policy and draft on held-out prompts, "
+                                           "as JSON; no training")
+    evaluate.add_argument("run", help="a run directory (its final/, else its newest exports/step_NNNNNN/) or an "
+                                      "export directory")
+    evaluate.add_argument("overrides", nargs="*", help="key=value overrides of the run's config, e.g. "
+                                                        "rollout.eval_prompts=500")
+    evaluate.add_argument("--val-files", nargs="+", metavar="FILE",
+                          help="held-out prompt files (JSONL or parquet) instead of the run's")
+    evaluate.add_argument("--samples", type=int, metavar="K",
+                          help="sampled completions per prompt (default: the run's rollout.eval_samples)")
+    evaluate.add_argument("--correct-at", type=float, default=1.0, metavar="X",
+                          help="a sample passes when its reward >= X (default 1.0)")
+    evaluate.add_argument("--out", metavar="PATH", help="also write the JSON here")
+    evaluate.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
+                          help="show vLLM's, Lightning's and torch's own logs and warnings")
+    evaluate.set_defaults(func=_eval)
     recipes = sub.add_parser("recipes", help="list the packaged recipes, one line each")
     recipes.set_defaults(func=_recipes)
     bench = sub.add_parser("bench", help="run a benchmark; results go to docs/benchmarks/")

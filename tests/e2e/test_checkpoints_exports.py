@@ -1,6 +1,6 @@
 """`trainer.keep_checkpoints` and `trainer.export_every_n_steps` through `spectrain fit`, a resume, and vLLM loading
-an export: the newest step checkpoints and exports stay, a resume goes on counting, and an export serves rollouts
-with its draft."""
+an export: the newest step checkpoints and exports stay, a resume goes on counting, `spectrain eval` scores them,
+and an export serves rollouts with its draft."""
 import json
 
 import pytest
@@ -41,6 +41,20 @@ def test_step_checkpoints_and_exports_are_kept_resumed_and_served_by_vllm(tmp_pa
     for part, weights in (("policy", "model.safetensors"), ("draft", "model.safetensors")):
         exported, final = (load_file(d / part / weights) for d in (run / "exports" / "step_000004", run / "final"))
         assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
+
+    # `spectrain eval` of the run scores final/ as the run's own final evaluation did (same prompts, greedy)
+    out = tmp_path / "eval.json"
+    assert cli_main(["eval", str(run), "--samples", "4", "--out", str(out)]) == 0
+    scores = json.loads(out.read_text())
+    final = json.loads((run / "spectrain_run.json").read_text())["result"]["final"]
+    assert scores["policy"] == str(run / "final" / "policy") and scores["prompts"] == 8 and scores["samples"] == 4
+    assert scores["greedy_reward"] == pytest.approx(final["greedy_reward"], abs=1e-6)
+    passes = [scores[f"sampled_pass@{k}"] for k in (1, 2, 4)]
+    assert all(0 <= p <= 1 for p in [*passes, scores["greedy_pass@1"], scores["sampled_reward"]])
+    assert passes == sorted(passes) and scores["mean_acceptance_length"] >= 1
+    # an export directory evaluates on its own
+    assert cli_main(["eval", str(run / "exports" / "step_000003"), "--samples", "1", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["policy"] == str(run / "exports" / "step_000003" / "policy")
 
     export = run / "exports" / "step_000003"
     engine = VLLMRolloutEngine(export / "policy", export / "draft", num_speculative_tokens=3, max_model_len=128,
