@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from spectrain import console
 from spectrain.batch import RolloutBatch, build_rollout_batch
 from spectrain.config import describe_differences
 from spectrain.config.loading import upgrade_recorded_keys
@@ -89,7 +90,14 @@ def train_sft(policy: LlamaForCausalLM, task, tokenizer, steps: int, batch_size:
         sched.step()
         losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    log_without_bar(progress, "warm-start SFT", losses)
     return losses
+
+
+def log_without_bar(progress: bool, what: str, losses: list[float]) -> None:
+    """Off a terminal the bar is off: one line says what it would have shown at its end."""
+    if progress and losses and not console.interactive():
+        print(f"[spectrain] {what}: {len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
 
 
 CACHE_META = "meta.json"  # written last: a directory without it is no cache
@@ -234,6 +242,7 @@ def warm_up_draft(draft: Eagle3Draft, policy: LlamaForCausalLM, source, tokenize
         warn_if_skipped(update, f"draft warm-up update {i + 1} of {steps}")
         losses.append(update.loss)
         bar.set_postfix(loss=f"{losses[-1]:.3f}", top1=f"{update.metrics.accuracy[0].item():.2f}")
+    log_without_bar(progress, "draft warm-up", losses)
     return losses
 
 

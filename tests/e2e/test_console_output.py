@@ -28,6 +28,7 @@ def test_a_log_shows_spectrain_lines_and_one_line_per_step(tmp_path):
     lines = out.splitlines()
     assert [line.split("  ")[0] for line in lines if line.startswith("step ")] == ["step 1/2", "step 2/2"]
     assert sum("[spectrain] vLLM runs on CPU" in line for line in lines) == 1
+    assert any(line.startswith("[spectrain] warm-start SFT: 20 steps, loss ") for line in lines), out[-3000:]
     assert not [line for line in lines if any(n in line for n in NOISE)], out[-3000:]
     assert "\r" not in out  # no bar redraws in a log
 
