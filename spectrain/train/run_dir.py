@@ -166,7 +166,9 @@ def drop_logged_steps(log_dir: Path, last_kept_step: int) -> None:
         with open(path, newline="") as f:
             reader = csv.DictReader(f)
             fields, rows = reader.fieldnames, list(reader)
-        kept = [r for r in rows if not r.get("step") or int(r["step"]) <= last_kept_step]
+        # the held-out row of the checkpoint's own step goes too: the resumed run evaluates that step again
+        kept = [r for r in rows if not r.get("step") or int(r["step"]) < last_kept_step
+                or (int(r["step"]) == last_kept_step and not any(v for k, v in r.items() if k.startswith("eval/")))]
         if fields and len(kept) < len(rows):
             with open(path, "w", newline="") as f:
                 writer = csv.DictWriter(f, fieldnames=fields)
