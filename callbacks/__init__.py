@@ -1,6 +1,8 @@
 """Lightning callbacks of spectrain: draft co-training, weight sync, acceptance logging, held-out evaluation,
-policy drift, sample tables, periodic exports, run history and stopping on a signal with a checkpoint."""
+the best checkpoints, policy drift, sample tables, periodic exports, run history and stopping on a signal with a
+checkpoint."""
 from spectrain.callbacks.acceptance_logger import AcceptanceLengthLogger
+from spectrain.callbacks.best_checkpoints import BestCheckpoints
 from spectrain.callbacks.draft_cotraining import DraftCoTraining
 from spectrain.callbacks.held_out_eval import HeldOutEval
 from spectrain.callbacks.periodic_export import PeriodicExport
@@ -10,6 +12,6 @@ from spectrain.callbacks.sample_logger import SampleGenerations
 from spectrain.callbacks.stop_on_signal import InterruptOnSignal, RunInterrupted, StopOnSignal
 from spectrain.callbacks.weight_sync import SpeculationDeadError, WeightSync
 
-__all__ = ["AcceptanceLengthLogger", "DraftCoTraining", "HeldOutEval", "InterruptOnSignal", "PeriodicExport",
-           "PolicyDrift", "RunHistory", "RunInterrupted", "SampleGenerations", "SpeculationDeadError", "StopOnSignal",
-           "WeightSync"]
+__all__ = ["AcceptanceLengthLogger", "BestCheckpoints", "DraftCoTraining", "HeldOutEval", "InterruptOnSignal",
+           "PeriodicExport", "PolicyDrift", "RunHistory", "RunInterrupted", "SampleGenerations", "SpeculationDeadError",
+           "StopOnSignal", "WeightSync"]

@@ -221,6 +221,11 @@ class TrainerConfig:
     checkpoint_every_n_steps: int = 5  # checkpoints/last.ckpt, rewritten every N steps
     # also keep the newest N checkpoints of those steps as checkpoints/step_NNNNNN.ckpt (0: none, -1: all)
     keep_checkpoints: int = 0
+    # also keep the N checkpoints with the best held-out metric as checkpoints/best/step_NNNNNN-<metric>=<v>.ckpt
+    # (0: none; Lightning's save_top_k with monitor, NeMo-RL's keep_top_k with metric_name)
+    save_top_k: int = 0
+    save_top_k_metric: str = "eval/greedy_reward"  # eval/greedy_reward | eval/sampled_reward
+    save_top_k_mode: str = "max"  # max | min
     # policy (HF) + draft (EAGLE-3) as vLLM loads them, in exports/step_NNNNNN/ every N steps (0: only final/)
     export_every_n_steps: int = 0
     keep_exports: int = -1  # the newest N exports stay (-1: all)

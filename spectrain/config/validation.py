@@ -323,6 +323,14 @@ def _check_trainer(c: SpecTrainConfig) -> None:
     logger_names(t.logger)
     _require(t.keep_checkpoints >= -1, "trainer.keep_checkpoints",
              f"is {t.keep_checkpoints}; give how many step checkpoints to keep: 0 (only last.ckpt), N, or -1 (all)")
+    _require(t.save_top_k >= 0, "trainer.save_top_k",
+             f"is {t.save_top_k}; give how many best checkpoints to keep: N >= 1, or 0 for none")
+    if t.save_top_k:
+        _one_of(t.save_top_k_metric, "trainer.save_top_k_metric", TOP_K_METRICS)
+        _one_of(t.save_top_k_mode, "trainer.save_top_k_mode", ("max", "min"))
+        _require(t.eval_every_n_steps >= 1, "trainer.save_top_k", "ranks checkpoints by the held-out evaluation, "
+                 "but trainer.eval_every_n_steps=0 never evaluates during training; set trainer.eval_every_n_steps=N "
+                 "(the candidates' cadence) or trainer.save_top_k=0")
     _require(t.export_every_n_steps >= 0, "trainer.export_every_n_steps",
              f"is {t.export_every_n_steps}; give N >= 1 to export every N steps, or 0 for only the final export")
     _require(t.keep_exports == -1 or t.keep_exports >= 1, "trainer.keep_exports",
@@ -337,6 +345,7 @@ def _check_trainer(c: SpecTrainConfig) -> None:
                  f"e.g. my_pkg.callbacks.MyCallback")
 
 
+TOP_K_METRICS = ("eval/greedy_reward", "eval/sampled_reward")
 LOGGERS = ("csv", "tensorboard", "wandb", "mlflow", "console")
 
 

@@ -86,6 +86,7 @@ class RunDir:
                         "rollout.kv_cache_gib", "grpo.micro_batch_tokens", "policy.activation_checkpointing",
                         "trainer.logger", "trainer.project_name", "trainer.experiment_name",
                         "trainer.log_samples_every_n_steps", "trainer.log_samples_n", "trainer.keep_checkpoints",
+                        "trainer.save_top_k", "trainer.save_top_k_metric", "trainer.save_top_k_mode",
                         "trainer.export_every_n_steps", "trainer.keep_exports")
 
     def _check_same_config(self) -> None:

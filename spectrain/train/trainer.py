@@ -201,6 +201,7 @@ class SpecTrainer:
     def build_callbacks(self) -> list[Callback]:
         from spectrain.callbacks import (
             AcceptanceLengthLogger,
+            BestCheckpoints,
             DraftCoTraining,
             HeldOutEval,
             PeriodicExport,
@@ -226,10 +227,13 @@ class SpecTrainer:
         if self.config.trainer.eval_every_n_steps:  # after WeightSync: it evaluates the step's weights
             callbacks.append(HeldOutEval(self.eval_examples(), self.config.trainer.eval_every_n_steps,
                                          self.config.rollout.eval_samples, warmstart=self.warm_eval))
+        t = self.config.trainer
+        if t.save_top_k:  # after HeldOutEval (it reads the scores), before the ModelCheckpoints (same state)
+            callbacks.append(BestCheckpoints(self.run_dir / "checkpoints" / "best", t.save_top_k_metric.split("/")[-1],
+                                             t.save_top_k_mode, t.save_top_k, t.eval_every_n_steps))
         if self.config.trainer.log_samples_every_n_steps:
             callbacks.append(SampleGenerations(self.config.trainer.log_samples_every_n_steps,
                                                self.config.trainer.log_samples_n))
-        t = self.config.trainer
         if t.export_every_n_steps:  # after the draft's update and the sync: the step's weights
             callbacks.append(PeriodicExport(self.run_dir / "exports", t.export_every_n_steps, self.export_step,
                                             keep=t.keep_exports))

@@ -11,7 +11,7 @@ from spectrain.cli import main as cli_main
 from spectrain.rollout.engine import SamplingConfig
 from spectrain.rollout.vllm.engine import VLLMRolloutEngine
 from spectrain.tasks.tokenizer import CharTokenizer
-from tests.helpers import TINY
+from tests.helpers import TINY, metrics
 
 pytestmark = pytest.mark.slow
 KEEP = ["trainer.keep_checkpoints=2", "trainer.export_every_n_steps=1", "trainer.keep_exports=2",
@@ -67,3 +67,19 @@ def test_step_checkpoints_and_exports_are_kept_resumed_and_served_by_vllm(tmp_pa
         assert engine.spec_decode_counters().num_drafts > 0  # the exported draft proposed tokens
     finally:
         engine.shutdown()
+
+
+def test_save_top_k_keeps_the_best_held_out_checkpoints_across_a_resume(tmp_path):
+    run = tmp_path / "run"
+    top_k = ["trainer.save_top_k=2", "trainer.eval_every_n_steps=1", "trainer.log_samples_every_n_steps=0"]
+    for steps in (3, 5):  # the second fit resumes from step 3
+        assert cli_main(["fit", "tiny_cpu", f"trainer.run_dir={run}", *TINY, *top_k, f"trainer.max_steps={steps}"]) == 0
+        scores = {int(r["step"]): float(r["eval/greedy_reward"]) for r in metrics(run) if r.get("eval/greedy_reward")}
+        assert sorted(scores) == list(range(1, steps + 1))  # every step, once each
+        best = sorted(scores, key=lambda s: (scores[s], s), reverse=True)[:2]
+        expected = sorted(f"step_{s:06d}-greedy_reward={scores[s]:.4f}.ckpt" for s in best)
+        assert names(run / "checkpoints" / "best") == expected  # no candidate left over
+        for s in best:
+            ckpt = torch.load(run / "checkpoints" / "best" / f"step_{s:06d}-greedy_reward={scores[s]:.4f}.ckpt",
+                              weights_only=False)
+            assert ckpt["global_step"] == s

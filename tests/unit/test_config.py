@@ -188,7 +188,11 @@ def test_their_fixes_are_not_warned_about(overrides, recwarn):
                                     r"\(only last\.ckpt\), N, or -1 \(all\)"),
     ("trainer.export_every_n_steps=-1", r"trainer\.export_every_n_steps: is -1; give N >= 1 to export every N steps"),
     ("trainer.keep_exports=0", r"trainer\.keep_exports: is 0; give how many exports to keep: N >= 1, or -1 \(all\)"),
+    ("trainer.save_top_k=-1", r"trainer\.save_top_k: is -1; give how many best checkpoints to keep"),
+    ("trainer.save_top_k=2 trainer.save_top_k_metric=reward", r"trainer\.save_top_k_metric: .*eval/greedy_reward"),
+    ("trainer.save_top_k=2 trainer.save_top_k_mode=best", r"trainer\.save_top_k_mode: .*max"),
+    ("trainer.save_top_k=2 trainer.eval_every_n_steps=0", r"trainer\.save_top_k: ranks checkpoints by the held-out"),
 ])
 def test_checkpoint_and_export_keys_are_checked(override, message):
     with pytest.raises(ConfigError, match=message):
-        load_config("tiny_cpu", [override])
+        load_config("tiny_cpu", override.split())
