@@ -73,7 +73,7 @@ class BenchOptions:
     max_tokens: int = 64
     k_max: int = 5
     repeats: int = 5  # throughput rounds (short rollouts: many interleaved rounds beat a noisy machine)
-    draft_steps: int = 120
+    draft_updates: int = 120
     draft_batch: int = 4
     # tokens per training sequence (greedy outputs of the policy): cover every position the rollout reaches
     draft_len: int = 72
@@ -86,7 +86,7 @@ class BenchOptions:
     e2e_steps: int = 4  # per mode; the first has no taps to spot-train on and is not timed
     e2e_temperature: float = 0.7
     long_tail_threshold: int = 8
-    long_tail_max_steps: int = 4
+    long_tail_max_updates: int = 4
 
 
 def log(msg: str) -> None:
@@ -128,7 +128,7 @@ def train_draft(draft: Eagle3Draft, policy: LlamaForCausalLM, data: list[Complet
     rng = random.Random(opts.seed)
     opt = torch.optim.AdamW(draft.parameters(), lr=3e-3)
     top1 = []
-    for step in range(opts.draft_steps):
+    for step in range(opts.draft_updates):
         batch = build_rollout_batch(rng.sample(data, min(opts.draft_batch, len(data))), torch.zeros(
             min(opts.draft_batch, len(data))))
         with torch.no_grad():
@@ -136,7 +136,7 @@ def train_draft(draft: Eagle3Draft, policy: LlamaForCausalLM, data: list[Complet
         taps = draft_inputs_from(out, batch, policy.attention_ops, None, ttt_valid_tokens(batch))
         update = draft_update(draft, opt, [taps], ttt_passes=opts.ttt_passes, pass_decay=0.8, grad_clip=1.0)
         top1 = update.metrics.accuracy.tolist()
-        if step % 50 == 0 or step == opts.draft_steps - 1:
+        if step % 50 == 0 or step == opts.draft_updates - 1:
             log(f"draft TTT step {step}: loss {update.loss:.3f}, top-1 by pass {[round(a, 2) for a in top1]}")
     return top1
 
@@ -276,11 +276,12 @@ class StepRecorder(Callback):
         spot = pl_module.stepwise.metrics
         self.records.append({"step_s": step_s, "rollout_s": stats.seconds, "sync_s": self.sync.seconds,
                              "train_s": step_s - stats.seconds - self.sync.seconds,
-                             "spot_steps": spot.get("spot/draft_updates", 0.0), "spot_s": spot.get("spot/seconds", 0.0),
+                             "spot_updates": spot.get("spot/draft_updates", 0.0),
+                             "spot_s": spot.get("spot/seconds", 0.0),
                              "acceptance_length": stats.spec.mean_acceptance_length})
 
 
-E2E_KEYS = ("step_s", "rollout_s", "train_s", "sync_s", "spot_steps", "spot_s", "acceptance_length")
+E2E_KEYS = ("step_s", "rollout_s", "train_s", "sync_s", "spot_updates", "spot_s", "acceptance_length")
 
 
 def e2e_config(opts: BenchOptions, budget: int, long_tail: bool, work: Path):
@@ -294,7 +295,7 @@ def e2e_config(opts: BenchOptions, budget: int, long_tail: bool, work: Path):
         "draft.grad_clip=1.0", f"draft.num_speculative_tokens={opts.k_max}",
         "speculation.mode=concurrency", f"speculation.verify_budget={budget}",
         f"speculation.long_tail.enabled={long_tail}", f"speculation.long_tail.threshold={opts.long_tail_threshold}",
-        f"speculation.long_tail.max_updates={opts.long_tail_max_steps}"])
+        f"speculation.long_tail.max_updates={opts.long_tail_max_updates}"])
 
 
 def run_grpo(opts: BenchOptions, engine, policy_dir: Path, draft_dir: Path, budget: int, long_tail: bool,
@@ -328,7 +329,7 @@ def run_e2e(opts, spec, policy_dir, draft_dir, budget, work: Path) -> dict:
     out = {}
     for name, long_tail in (("without long tail", False), ("with long tail", True)):
         records = run_grpo(opts, spec, policy_dir, draft_dir, budget, long_tail, work / name.replace(" ", "_"))[1:]
-        log(f"e2e {name}: step s " + ", ".join(f"{r['step_s']:.2f} ({r['spot_steps']:.0f} spot)" for r in records))
+        log(f"e2e {name}: step s " + ", ".join(f"{r['step_s']:.2f} ({r['spot_updates']:.0f} spot)" for r in records))
         out[name] = {key: summarize([r[key] for r in records]) for key in E2E_KEYS}
     return out
 
@@ -420,7 +421,7 @@ def markdown(data: dict) -> str:
                      f"{trace[n]['acceptance_length']:.2f} | {trace[n]['engine_steps']} |" for n, v in tp.items())
     e2e_rows = "\n".join(
         f"| {name} | {v['step_s']['median']:.2f} ({v['step_s']['min']:.2f}..{v['step_s']['max']:.2f}) | "
-        f"{v['rollout_s']['median']:.2f} | {v['train_s']['median']:.2f} | {v['spot_steps']['median']:.1f} | "
+        f"{v['rollout_s']['median']:.2f} | {v['train_s']['median']:.2f} | {v['spot_updates']['median']:.1f} | "
         f"{v['spot_s']['median']:.2f} | {v['acceptance_length']['median']:.2f} |" for name, v in e2e.items())
     o = data["options"]
     room = data["headroom"]
@@ -441,7 +442,7 @@ def markdown(data: dict) -> str:
 Workload: {o['prompts']} prompts, greedy (every config generates the same tokens), per-request max_tokens ~
 lognormal(median {o['median_tokens']}, sigma {o['sigma']}) clipped to [4, {o['max_tokens']}]
 ({data['workload']['total_tokens']} tokens, longest {data['workload']['longest']}). Policy: {data['policy']}.
-Draft: EAGLE-3 trained {o['draft_steps']} TTT steps on the policy's greedy outputs (top-1 agreement by pass
+Draft: EAGLE-3 trained {o['draft_updates']} TTT steps on the policy's greedy outputs (top-1 agreement by pass
 {data['draft_top1']}). Verify budget C = {data['verify_budget']} ({data['verify_budget_source']}).
 
 ## Headline
@@ -476,7 +477,7 @@ runs them.
 Concurrency rule in both; {o['e2e_prompts']} prompts x {o['e2e_group']} samples (one prompt at
 max_tokens={o['max_tokens']}: a straggler, so the tail is long), temperature
 {o['e2e_temperature']}; spot training below {o['long_tail_threshold']} live sequences, at most
-{o['long_tail_max_steps']} draft updates per rollout, on the previous step's taps. The two modes run one after the
+{o['long_tail_max_updates']} draft updates per rollout, on the previous step's taps. The two modes run one after the
 other from the same start; steps 2..{o['e2e_steps']} are timed (median, spread). With long tail / without, paired
 by step: {ratio(data['e2e_with_vs_without'])} step time.
 
