@@ -307,14 +307,12 @@ def run_grpo(opts: BenchOptions, engine, policy_dir: Path, draft_dir: Path, budg
     lengths[-1] = opts.max_tokens  # one straggler prompt: the long tail spot training is for
     module = LongTailedGRPOModule(config, load_pretrained(policy_dir), load_draft(draft_dir), TokenIds(),
                                   per_sample(even_token_share), max_tokens=lengths, engine=engine)
-    d = config.draft
     sync = TimedWeightSync(check_alive=False)  # no drafter probes: the toy draft's acceptance may well swing
     recorder = StepRecorder(sync)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=opts.e2e_steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=str(work),
-                        callbacks=[DraftCoTraining(grad_clip=d.grad_clip, ttt_passes=d.ttt_passes,
-                                                   pass_decay=d.pass_decay), sync, recorder])
+                        callbacks=[DraftCoTraining.from_config(config.draft), sync, recorder])
     trainer.fit(module, train_dataloaders=SamePrompts(prompts, opts.e2e_steps))
     return recorder.records
 

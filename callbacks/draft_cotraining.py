@@ -8,8 +8,25 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from spectrain.parallel.fsdp import shard_optimizer_state
 from spectrain.parallel.plan import DraftInputs
-from spectrain.train.draft_update import DraftGradients, warn_if_skipped
+from spectrain.train.draft_update import DraftGradients, DraftUpdate, draft_optimizer, draft_update, warn_if_skipped
+
+STATE_KEY = "DraftCoTraining"  # the class name, Lightning's default key: what checkpoints already hold
+
+
+def migrate_draft_optimizer(checkpoint: dict) -> None:
+    """Checkpoints written before `DraftCoTraining` owned the draft's optimizer hold it as the module's second
+    optimizer and its lr ramp as the first scheduler: move them into the callback's state (dropped for a run
+    without co-training, which has no draft optimizer), so the policy's optimizer and schedule load as before."""
+    optimizers = checkpoint.get("optimizer_states") or []
+    if len(optimizers) != 2:
+        return
+    schedulers = checkpoint.get("lr_schedulers") or []
+    optimizer, ramp = optimizers.pop(1), (schedulers.pop(0) if schedulers else None)
+    state = checkpoint.get("callbacks", {}).get(STATE_KEY)
+    if state is not None and "optimizer" not in state:
+        state.update(optimizer=optimizer, lr_ramp=ramp)
 
 
 class DraftCoTraining(Callback):
@@ -19,11 +36,15 @@ class DraftCoTraining(Callback):
     The module hands it each micro-batch's taps and teacher logits of the step's first epoch as
     soon as the policy forward made them (`on_draft_taps`, a `DraftInputs`); their TTT loss is
     backpropagated at once (`DraftGradients`) and the taps are freed. `on_train_batch_end` takes
-    the one optimizer step. The draft has its own optimizer (the module's second) and gradient
-    clipping; a non-finite loss or gradient norm skips the update (counted, logged as
-    `draft/skipped_steps`, warned); the policy is never touched: taps and teacher logits are
-    detached. One per run, under the class name as its state key: a second instance would update
-    the same draft twice per step, and Lightning refuses two stateful callbacks with one key.
+    the one optimizer step. It owns all of the draft's training state: its AdamW (started from the
+    warm-up's moments when given them, so the first online updates are not full-size sign steps of
+    a fresh Adam), the linear lr ramp over the first `lr_ramp_updates` applied updates, and the
+    counts; all are checkpointed in its state, gathered to full tensors under FSDP. Long-tail spot
+    updates step the same optimizer and ramp (`spot_update`). A non-finite loss or gradient norm
+    skips the update (counted, logged as `draft/skipped_steps`, warned); the policy is never
+    touched: taps and teacher logits are detached. One per run, under the class name as its state
+    key: a second instance would update the same draft twice per step, and Lightning refuses two
+    stateful callbacks with one key.
 
     Args:
         every_n_steps: update the draft on every n-th step.
@@ -31,19 +52,81 @@ class DraftCoTraining(Callback):
         ttt_passes: K, the training-time-test passes unrolled.
         pass_decay: weight `pass_decay**(d-1)` of pass d's loss.
         loss_kernel: `draft.loss_kernel`, the implementation of the lm_head + soft CE.
+        lr: the online learning rate, reached after the ramp.
+        lr_ramp_updates: the ramp's length in applied updates (0: the full lr at once).
+        warmup_optimizer_state: the offline warm-up's AdamW `state_dict` (full tensors) to continue from, or None.
     """
 
     def __init__(self, every_n_steps: int = 1, grad_clip: float = 1.0, ttt_passes: int = 3,
-                 pass_decay: float = 0.8, loss_kernel: str = "auto") -> None:
+                 pass_decay: float = 0.8, loss_kernel: str = "auto", lr: float = 3e-4, lr_ramp_updates: int = 10,
+                 warmup_optimizer_state: dict | None = None) -> None:
         self.every_n_steps = every_n_steps
         self.grad_clip = grad_clip
         self.ttt_passes = ttt_passes
         self.pass_decay = pass_decay
         self.loss_kernel = loss_kernel
+        self.lr, self.lr_ramp_updates = lr, lr_ramp_updates
+        self.warmup_optimizer_state = warmup_optimizer_state
+        self.optimizer: torch.optim.Optimizer | None = None  # built for the (sharded) draft at fit start
+        self.lr_ramp: torch.optim.lr_scheduler.LambdaLR | None = None
         self.steps_trained = 0
         self.steps_skipped = 0
+        self._restored: dict | None = None  # a checkpoint's optimizer and ramp, until the optimizer exists
+        self._strategy = None  # gathers the optimizer's shards for a checkpoint
         self._grads: DraftGradients | None = None  # this step's update, while the policy forwards feed it
         self._seconds = 0.0
+
+    @classmethod
+    def from_config(cls, d, warmup_optimizer_state: dict | None = None) -> DraftCoTraining:
+        """The callback for a `draft` config section (`spectrain fit`'s; the warm-up's state only if it is carried)."""
+        return cls(every_n_steps=d.every_n_steps, grad_clip=d.grad_clip, ttt_passes=d.ttt_passes,
+                   pass_decay=d.pass_decay, loss_kernel=d.loss_kernel, lr=d.lr, lr_ramp_updates=d.lr_ramp_updates,
+                   warmup_optimizer_state=warmup_optimizer_state if d.carry_warmup_optimizer else None)
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return STATE_KEY
+
+    @override
+    def on_fit_start(self, trainer, pl_module) -> None:
+        """The optimizer over the draft's parameters as the strategy left them (sharded under FSDP); the warm-up's
+        moments, then a checkpoint's state, each cut to this rank's shards."""
+        self._strategy = trainer.strategy
+        self.optimizer = draft_optimizer(pl_module.draft, self.lr)
+        if self.warmup_optimizer_state is not None:
+            self._load_full_state(self.optimizer, self.warmup_optimizer_state)
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.lr
+        ramp = self.lr_ramp_updates
+        self.lr_ramp = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda u: min(1.0, (u + 1) / (ramp + 1)))
+        self._apply_restored()
+
+    def _apply_restored(self) -> None:
+        if self._restored is None or self.optimizer is None:
+            return
+        self._load_full_state(self.optimizer, self._restored["optimizer"])
+        if self._restored["lr_ramp"] is not None:
+            self.lr_ramp.load_state_dict(self._restored["lr_ramp"])
+        self._restored = None
+
+    @staticmethod
+    def _load_full_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+        optimizer.load_state_dict(state)
+        shard_optimizer_state(optimizer)  # a no-op for unsharded parameters
+
+    def count_update(self, update: DraftUpdate) -> None:
+        """Advance the lr ramp by one applied update (co-training or spot)."""
+        if update.applied:
+            self.lr_ramp.step()
+
+    def spot_update(self, pl_module, taps) -> DraftUpdate:
+        """One long-tail spot update of the draft on `taps` (whole, held by the module), with this optimizer."""
+        update = draft_update(pl_module.draft, self.optimizer, taps, ttt_passes=self.ttt_passes,
+                              pass_decay=self.pass_decay, grad_clip=self.grad_clip, backward=pl_module.manual_backward,
+                              loss_kernel=self.loss_kernel)
+        self.count_update(update)
+        return update
 
     def wants_draft_taps(self, trainer) -> bool:
         """Whether the step about to run trains the draft (the module captures taps only then)."""
@@ -53,7 +136,7 @@ class DraftCoTraining(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._grads, self._seconds = None, 0.0
         if self.wants_draft_taps(trainer):
-            self._grads = DraftGradients(pl_module.draft, pl_module.draft_optimizer(), ttt_passes=self.ttt_passes,
+            self._grads = DraftGradients(pl_module.draft, self.optimizer, ttt_passes=self.ttt_passes,
                                          pass_decay=self.pass_decay, backward=pl_module.manual_backward,
                                          loss_kernel=self.loss_kernel)
 
@@ -79,8 +162,8 @@ class DraftCoTraining(Callback):
                                     reduce_gradients=pl_module.plan.reduce_gradients,
                                     share_dtype=pl_module.teacher_dtype)
         self._grads = None
-        lr = pl_module.draft_optimizer().param_groups[0]["lr"]  # the rate this update used
-        pl_module.count_draft_update(update)
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this update used
+        self.count_update(update)
         if update.applied:
             self.steps_trained += 1
         else:
@@ -101,9 +184,15 @@ class DraftCoTraining(Callback):
 
     @override
     def state_dict(self) -> dict:
-        return {"steps_trained": self.steps_trained, "steps_skipped": self.steps_skipped}
+        state = {"steps_trained": self.steps_trained, "steps_skipped": self.steps_skipped}
+        if self.optimizer is not None:  # full tensors (collective under FSDP: every rank saves a checkpoint)
+            state.update(optimizer=self._strategy.optimizer_state(self.optimizer), lr_ramp=self.lr_ramp.state_dict())
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict) -> None:
         self.steps_trained = state_dict["steps_trained"]
         self.steps_skipped = state_dict["steps_skipped"]
+        if "optimizer" in state_dict:
+            self._restored = {"optimizer": state_dict["optimizer"], "lr_ramp": state_dict.get("lr_ramp")}
+            self._apply_restored()  # now, if a strategy restores after its setup (the optimizer exists then)

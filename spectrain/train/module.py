@@ -4,8 +4,8 @@ Each `training_step` rolls out `group_size` samples per prompt on the live engin
 them, computes group advantages, and makes `grpo.minibatches` x `grpo.epochs` clipped
 updates of the policy, each in micro-batches of at most `grpo.micro_batch_tokens` tokens.
 The first epoch's micro-batch forwards also capture the draft's taps and hand them at once
-to the callbacks that train the draft (`on_draft_taps`: `DraftCoTraining` backpropagates
-each and steps the draft's optimizer, the module's second, at the end of the step), and
+to the callbacks that train the draft (`on_draft_taps`: `DraftCoTraining`, which owns the
+draft's optimizer, backpropagates each and steps it at the end of the step), and
 `WeightSync` pushes both models to the engine afterwards.
 """
 from __future__ import annotations
@@ -22,17 +22,17 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from spectrain.batch import RolloutBatch, build_rollout_batch
+from spectrain.callbacks.draft_cotraining import DraftCoTraining, migrate_draft_optimizer
 from spectrain.config import SpecTrainConfig
 from spectrain.errors import NonFiniteError
 from spectrain.models.llama import LlamaForCausalLM, apply_activation_checkpointing
-from spectrain.parallel.fsdp import shard_optimizer_state
 from spectrain.parallel.plan import DraftInputs, LocalPlan, TrainPlan, ttt_valid_tokens
 from spectrain.rollout.engine import Completion, LoadStats, RolloutEngine, SamplingConfig, SpecDecodeCounters
 from spectrain.rollout.speculation.controllers import uses_step_loop
 from spectrain.rollout.speculation.long_tail import LongTailPolicy, LongTailTrainer
 from spectrain.rollout.speculation.stepwise import StepwiseRollouts
 from spectrain.tasks.rewards import reward_inputs, reward_name, score_batch
-from spectrain.train.draft_update import DraftUpdate, draft_optimizer, draft_update, warn_if_skipped
+from spectrain.train.draft_update import DraftUpdate, warn_if_skipped
 from spectrain.train.grpo import group_advantages, grpo_loss, lr_lambda, minibatch_documents, overlong_penalty
 
 
@@ -85,8 +85,7 @@ class GRPOModule(L.LightningModule):
     (`spectrain.tasks.rewards.per_sample` wraps a `(completion, answer) -> float`)."""
 
     def __init__(self, config: SpecTrainConfig, policy: LlamaForCausalLM, draft: torch.nn.Module | None,
-                 tokenizer, reward_fn, draft_warmup_state: dict | None = None, reward: str | None = None,
-                 engine: RolloutEngine | None = None) -> None:
+                 tokenizer, reward_fn, reward: str | None = None, engine: RolloutEngine | None = None) -> None:
         super().__init__()
         self.config = config
         apply_activation_checkpointing(policy, config.policy.activation_checkpointing)
@@ -97,7 +96,6 @@ class GRPOModule(L.LightningModule):
         self.reward_fn = reward_fn
         r = config.reward  # how errors name the reward: the configured one, or `reward` (a subclass's hook)
         self.reward_name = reward or reward_name(r.name, r.path, r.function)
-        self.draft_warmup_state = draft_warmup_state  # the warm-up's AdamW state, carried into co-training
         self.automatic_optimization = False
         # KL(policy || warm start) needs the warm start frozen beside the policy
         self.reference = copy.deepcopy(policy).requires_grad_(False) if config.grpo.kl_beta > 0 else None
@@ -131,48 +129,24 @@ class GRPOModule(L.LightningModule):
 
     @override
     def configure_optimizers(self):
+        """The policy's AdamW and, with `schedules_policy_lr`, its lr schedule, stepped once per GRPO step and
+        checkpointed by Lightning (a resume continues it). The draft's optimizer is `DraftCoTraining`'s."""
         g = self.config.grpo
         policy_opt = torch.optim.AdamW(self.policy.parameters(), lr=g.lr, weight_decay=g.weight_decay)
-        # stepped once per GRPO step (`training_step`); checkpointed by Lightning, so a resume continues it. It comes
-        # after the draft's ramp: Lightning restores schedulers in order (zip), so a checkpoint written before this
-        # schedule existed restores the ramp and starts the schedule afresh
-        schedule = ([torch.optim.lr_scheduler.LambdaLR(
+        if not self.schedules_policy_lr:
+            return policy_opt
+        return [policy_opt], [torch.optim.lr_scheduler.LambdaLR(
             policy_opt, lr_lambda(g.lr_scheduler, g.lr_warmup_steps, self.config.trainer.max_steps))]
-            if self.schedules_policy_lr else [])
-        if self.draft is None:
-            return ([policy_opt], schedule) if schedule else policy_opt
-        d = self.config.draft
-        draft_opt = draft_optimizer(self.draft, d.lr)
-        if d.carry_warmup_optimizer and self.draft_warmup_state is not None:
-            # the warm-up's moments: the first online updates are then not full-size sign steps of a fresh Adam
-            draft_opt.load_state_dict(self.draft_warmup_state)
-            shard_optimizer_state(draft_opt)  # parallel.fsdp: the warm-up's full moments, cut to this rank's shards
-            for group in draft_opt.param_groups:
-                group["lr"] = d.lr
-        ramp = torch.optim.lr_scheduler.LambdaLR(draft_opt, lambda u: min(1.0, (u + 1) / (d.lr_ramp_updates + 1)))
-        return [policy_opt, draft_opt], [ramp, *schedule]  # checkpointed with the optimizers: a resume continues both
 
     def policy_optimizer(self):
-        opts = self.optimizers()
-        return opts[0] if isinstance(opts, list) else opts
-
-    def draft_optimizer(self) -> torch.optim.Optimizer:
-        """The raw torch optimizer: stepping Lightning's wrapper would advance `global_step` twice per batch."""
-        return self.optimizers()[1].optimizer
-
-    def count_draft_update(self, update: DraftUpdate) -> None:
-        """Advance the online learning-rate ramp by one applied draft update (co-training or spot)."""
-        if update.applied:
-            self.schedulers()[0].step()
-
-    def schedulers(self) -> list:
-        """`configure_optimizers`' schedulers, in order: the draft's ramp (with a draft), the policy's lr schedule
-        (with `schedules_policy_lr`)."""
-        found = self.lr_schedulers()
-        return [] if found is None else found if isinstance(found, list) else [found]
+        return self.optimizers()
 
     def policy_lr_scheduler(self):
-        return self.schedulers()[-1] if self.schedules_policy_lr else None
+        return self.lr_schedulers() if self.schedules_policy_lr else None
+
+    def draft_cotraining(self):
+        """The `DraftCoTraining` callback of this run, or None: it owns the draft's optimizer and lr ramp."""
+        return next((c for c in self.trainer.callbacks if isinstance(c, DraftCoTraining)), None)
 
     @property
     def teacher_dtype(self) -> torch.dtype:
@@ -246,16 +220,14 @@ class GRPOModule(L.LightningModule):
 
     def long_tail_trainer(self) -> LongTailTrainer | None:
         """Spot updates of the draft on the previous step's taps; None until there are taps to train on."""
-        lt, d = self.config.speculation.long_tail, self.config.draft
-        if not (lt.enabled and self.trains_draft and self.tail_taps):
+        lt = self.config.speculation.long_tail
+        cotraining = self.draft_cotraining()
+        if not (lt.enabled and self.trains_draft and self.tail_taps and cotraining is not None):
             return None
         taps = self.tail_taps
 
         def spot_update() -> DraftUpdate:
-            update = draft_update(self.draft, self.draft_optimizer(), taps, ttt_passes=d.ttt_passes,
-                                  pass_decay=d.pass_decay, grad_clip=d.grad_clip, backward=self.manual_backward,
-                                  loss_kernel=d.loss_kernel)
-            self.count_draft_update(update)
+            update = cotraining.spot_update(self, taps)
             warn_if_skipped(update, f"a spot update in the step-{self.current_step} rollout")
             return update
 
@@ -269,6 +241,7 @@ class GRPOModule(L.LightningModule):
 
     @override
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        migrate_draft_optimizer(checkpoint)  # before Lightning restores the optimizers and the callbacks
         if self.stepwise is not None:
             self.stepwise.load_state_dict(checkpoint.get("speculation_controller"))
 

@@ -214,9 +214,7 @@ class SpecTrainer:
         d = self.config.draft
         callbacks: list[Callback] = []
         if d.mode == "cotrained":
-            callbacks.append(DraftCoTraining(every_n_steps=d.every_n_steps, grad_clip=d.grad_clip,
-                                             ttt_passes=d.ttt_passes, pass_decay=d.pass_decay,
-                                             loss_kernel=d.loss_kernel))
+            callbacks.append(DraftCoTraining.from_config(d, warmup_optimizer_state(self.warmstart_dir)))
         sync = self.config.sync
         callbacks.append(WeightSync(check_alive=d.check_alive and d.mode != "none", on_mismatch=sync.on_mismatch,
                                     on_dead=d.on_dead, logprob_tolerance=sync.logprob_tolerance,
@@ -290,7 +288,6 @@ class SpecTrainer:
         self._on_rank_zero(lambda: self._start_engine(policy, draft))  # every rank learns of a failed start
         try:
             self.module = GRPOModule(self.config, policy, draft, self.tokenizer, self.rewards,
-                                     draft_warmup_state=warmup_optimizer_state(self.warmstart_dir),
                                      reward=self.reward_hook_name(), engine=self.engine)
             if self.strategy is not None:
                 self.strategy.connect(self.module)

@@ -7,6 +7,7 @@ import torch
 
 from spectrain.batch import build_rollout_batch
 from spectrain.callbacks import AcceptanceLengthLogger, DraftCoTraining, SpeculationDeadError, WeightSync
+from spectrain.callbacks.draft_cotraining import migrate_draft_optimizer
 from spectrain.models.eagle3 import Eagle3Config, Eagle3Draft
 from spectrain.models.llama import LlamaConfig, LlamaForCausalLM, pack_sequences
 from spectrain.parallel.plan import LocalPlan, draft_inputs_from, ttt_valid_tokens
@@ -15,7 +16,7 @@ from tests.helpers import step_outputs
 
 
 class Module(SimpleNamespace):
-    """Just enough of GRPOModule for the callbacks: real draft and optimizer, logged values kept."""
+    """Just enough of GRPOModule for the callbacks: a real draft, logged values kept."""
 
     def log(self, name, value, **_):
         self.logged[name] = float(value)
@@ -25,12 +26,6 @@ class Module(SimpleNamespace):
 
     def manual_backward(self, loss):
         loss.backward()
-
-    def draft_optimizer(self):
-        return self.draft_opt
-
-    def count_draft_update(self, update):
-        self.counted_updates += int(update.applied)
 
     teacher_dtype = torch.float32
 
@@ -44,8 +39,13 @@ def module_with_draft_inputs():
                                  Completion(0, [1, 4], [3, 3, 2], [0.0] * 3, True)], torch.tensor([1.0, -1.0]))
     out = policy(batch.input_ids, batch.position_ids, batch.cu_seqlens, tap_layers=draft.cfg.tap_layers)
     inputs = [draft_inputs_from(out, batch, policy.attention_ops, None, ttt_valid_tokens(batch))]
-    return Module(draft=draft, draft_inputs=inputs, plan=LocalPlan(), logged={}, counted_updates=0,
-                  draft_opt=torch.optim.SGD(draft.parameters(), lr=0.1))
+    return Module(draft=draft, draft_inputs=inputs, plan=LocalPlan(), logged={})
+
+
+def fitted(callback: DraftCoTraining, module) -> DraftCoTraining:
+    """The callback after Lightning's `on_fit_start`: its optimizer and lr ramp built over the module's draft."""
+    callback.on_fit_start(trainer_at(0), module)
+    return callback
 
 
 def run_step(callback: DraftCoTraining, module, step: int) -> None:
@@ -60,29 +60,32 @@ def run_step(callback: DraftCoTraining, module, step: int) -> None:
 def test_draft_cotraining_steps_the_draft():
     module = module_with_draft_inputs()
     before = [p.detach().clone() for p in module.draft.parameters()]
-    run_step(DraftCoTraining(ttt_passes=2), module, 1)
+    callback = fitted(DraftCoTraining(ttt_passes=2, lr=0.1, lr_ramp_updates=1), module)
+    run_step(callback, module, 1)
     assert any(not torch.equal(a, b) for a, b in zip(before, module.draft.parameters()))
     assert module.logged["draft/skipped_steps"] == 0 and "draft/pass_2_top1" in module.logged
-    assert module.counted_updates == 1 and module.logged["draft/lr"] == 0.1  # the lr ramp advanced by the update
+    assert module.logged["draft/lr"] == pytest.approx(0.05)  # the ramp's first step: lr / (lr_ramp_updates + 1)
+    assert callback.lr_ramp.last_epoch == 1 and callback.optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
 
 
 def test_nan_guard_skips_the_draft_step():
     module = module_with_draft_inputs()
     module.draft_inputs[0].teacher_logits.fill_(float("nan"))
     before = [p.detach().clone() for p in module.draft.parameters()]
-    callback = DraftCoTraining(ttt_passes=2)
+    callback = fitted(DraftCoTraining(ttt_passes=2), module)
     with pytest.warns(UserWarning, match=r"draft update skipped \(step 1, 1 skipped so far\): loss nan, gradient norm "
                                          r"nan: not finite\. The draft and its optimizer are unchanged"):
         run_step(callback, module, 1)
     assert all(torch.equal(a, b) for a, b in zip(before, module.draft.parameters()))
     assert callback.steps_skipped == 1 and module.logged["draft/skipped_steps"] == 1
-    assert module.counted_updates == 0  # a skipped update does not advance the lr ramp
-    assert callback.state_dict() == {"steps_trained": 0, "steps_skipped": 1}
+    assert callback.lr_ramp.last_epoch == 0  # a skipped update does not advance the lr ramp
+    state = callback.state_dict()
+    assert (state["steps_trained"], state["steps_skipped"]) == (0, 1) and not state["optimizer"]["state"]
 
 
 def test_every_n_steps():
     module = module_with_draft_inputs()
-    callback = DraftCoTraining(every_n_steps=2, ttt_passes=1)
+    callback = fitted(DraftCoTraining(every_n_steps=2, ttt_passes=1), module)
     losses = []
     for step in (1, 2, 3):
         run_step(callback, module, step)
@@ -92,8 +95,43 @@ def test_every_n_steps():
     assert math.isfinite(losses[0]) and math.isnan(losses[1]) and math.isfinite(losses[2])
 
 
+def same_optimizer_state(a: dict, b: dict) -> bool:
+    return a["state"].keys() == b["state"].keys() and all(
+        torch.equal(a["state"][i][k], b["state"][i][k]) for i in a["state"] for k in ("exp_avg", "exp_avg_sq"))
+
+
+def test_the_draft_optimizer_and_lr_ramp_resume_from_the_callback_state_and_from_the_old_checkpoint_layout():
+    module = module_with_draft_inputs()
+    trained = fitted(DraftCoTraining(ttt_passes=1), module)
+    run_step(trained, module, 1)
+    saved = trained.state_dict()
+    resumed = DraftCoTraining(ttt_passes=1)
+    resumed.load_state_dict(saved)  # Lightning restores callbacks before `on_fit_start` builds the optimizer
+    fitted(resumed, module)
+    assert same_optimizer_state(resumed.optimizer.state_dict(), saved["optimizer"])
+    assert resumed.lr_ramp.last_epoch == 1 and resumed.steps_trained == 1
+    assert resumed.optimizer.param_groups[0]["lr"] == trained.optimizer.param_groups[0]["lr"]  # the ramp's 2nd rate
+
+    # written before the callback owned them: the module's second optimizer and first scheduler
+    policy_state, schedule_state = {"state": {}, "param_groups": []}, {"last_epoch": 1}
+    old = {"optimizer_states": [policy_state, saved["optimizer"]], "lr_schedulers": [saved["lr_ramp"], schedule_state],
+           "callbacks": {"DraftCoTraining": {"steps_trained": 1, "steps_skipped": 0}}}
+    migrate_draft_optimizer(old)
+    assert old["optimizer_states"] == [policy_state] and old["lr_schedulers"] == [schedule_state]
+    from_old = DraftCoTraining(ttt_passes=1)
+    from_old.load_state_dict(old["callbacks"]["DraftCoTraining"])
+    fitted(from_old, module)
+    assert same_optimizer_state(from_old.optimizer.state_dict(), saved["optimizer"])
+    assert from_old.lr_ramp.last_epoch == 1
+
+    frozen = {"optimizer_states": [policy_state, saved["optimizer"]], "lr_schedulers": [saved["lr_ramp"]]}
+    migrate_draft_optimizer(frozen)  # no co-training: the draft's optimizer state has no owner and is dropped
+    assert frozen == {"optimizer_states": [policy_state], "lr_schedulers": []}
+
+
 def trainer_at(step):
-    return SimpleNamespace(global_step=step, strategy=SimpleNamespace(reduce=lambda t, reduce_op: t))
+    return SimpleNamespace(global_step=step, strategy=SimpleNamespace(reduce=lambda t, reduce_op: t,
+                                                                      optimizer_state=lambda o: o.state_dict()))
 
 
 def stats(drafts, accepted):

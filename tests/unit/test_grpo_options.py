@@ -269,19 +269,24 @@ def test_the_options_load():
     assert c.grpo.clip_eps_low is None and c.grpo.clip_eps_high == 0.28 and c.grpo.norm_adv_by_std is False
 
 
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
-def test_with_a_draft_the_ramp_stays_first_and_draft_updates_step_only_it():
-    """Lightning restores schedulers in order: the ramp first keeps checkpoints without the schedule loadable."""
+def test_with_a_draft_the_module_configures_only_the_policy_and_old_checkpoints_load():
+    """The draft's optimizer and lr ramp are `DraftCoTraining`'s; a checkpoint written when they were the module's
+    second optimizer and first scheduler loads the policy's optimizer and schedule into their places."""
     from spectrain.models.eagle3 import Eagle3Config, Eagle3Draft
 
     policy = tiny_policy()
     module = GRPOModule(load_config(None, ["grpo.lr_scheduler=cosine", "trainer.max_steps=4"]), policy,
                         Eagle3Draft(Eagle3Config.from_policy(policy.cfg)), CharTokenizer(), reward_fn=None)
-    [policy_opt, draft_opt], [ramp, schedule] = module.configure_optimizers()
-    assert ramp.optimizer is draft_opt and schedule.optimizer is policy_opt
-    module.lr_schedulers = lambda: [ramp, schedule]
-    module.count_draft_update(SimpleNamespace(applied=True))
-    assert ramp.last_epoch == 1 and schedule.last_epoch == 0 and module.policy_lr_scheduler() is schedule
+    [policy_opt], [schedule] = module.configure_optimizers()
+    assert [p for g in policy_opt.param_groups for p in g["params"]] == list(policy.parameters())
+    assert schedule.optimizer is policy_opt
+    policy_state, draft_state, ramp_state = policy_opt.state_dict(), {"state": {}}, {"last_epoch": 3}
+    old = {"optimizer_states": [policy_state, draft_state], "lr_schedulers": [ramp_state, schedule.state_dict()],
+           "callbacks": {"DraftCoTraining": {"steps_trained": 3, "steps_skipped": 0}}}
+    module.on_load_checkpoint(old)
+    assert old["optimizer_states"] == [policy_state] and old["lr_schedulers"] == [schedule.state_dict()]
+    assert old["callbacks"]["DraftCoTraining"]["optimizer"] is draft_state
+    assert old["callbacks"]["DraftCoTraining"]["lr_ramp"] is ramp_state
 
 
 # the seq-mean modes through the real dp x cp plan (gloo processes) ------------------------------------------------

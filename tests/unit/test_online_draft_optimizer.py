@@ -4,10 +4,12 @@ A fresh AdamW at the warm-up's rate makes full-size sign steps (its moments star
 undo the warm-up: that case is kept here as the control, so the test shows the difference.
 """
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from spectrain.callbacks import DraftCoTraining
 from spectrain.config import load_config
 from spectrain.models.eagle3 import Eagle3Config, Eagle3Draft
 from spectrain.models.llama import LlamaConfig, LlamaForCausalLM
@@ -15,7 +17,6 @@ from spectrain.parallel.plan import draft_inputs_from, ttt_valid_tokens
 from spectrain.tasks.arithmetic import ArithmeticTask
 from spectrain.tasks.tokenizer import CharTokenizer
 from spectrain.train.draft_update import draft_loss, draft_optimizer, draft_update
-from spectrain.train.module import GRPOModule
 from spectrain.train.warm_start import examples_to_batch, warm_up_draft
 
 TOLERANCE = 0.02  # the first online update may raise the loss on its own batch by at most 2%
@@ -41,14 +42,20 @@ def converged(one_thread):
     return policy, draft, warmup.state_dict(), tokenizer, chunk
 
 
+def online_cotraining(draft: Eagle3Draft, warmup_state: dict, overrides: list[str]) -> DraftCoTraining:
+    """`spectrain fit`'s `DraftCoTraining` for these overrides, after `on_fit_start` built its optimizer and ramp."""
+    callback = DraftCoTraining.from_config(load_config(None, overrides).draft, warmup_state)
+    callback.on_fit_start(SimpleNamespace(strategy=None), SimpleNamespace(draft=draft))
+    return callback
+
+
 def loss_after_first_online_update(converged, overrides: list[str]) -> tuple[float, float, float]:
-    """(loss before, loss after, lr used) of one online update built exactly as `GRPOModule` builds it."""
-    policy, draft, warmup_state, tokenizer, chunk = converged
+    """(loss before, loss after, lr used) of one online update built exactly as `spectrain fit` builds it."""
+    _, draft, warmup_state, _, chunk = converged
     draft = Eagle3Draft(draft.cfg)
     draft.load_state_dict(converged[1].state_dict())
-    module = GRPOModule(load_config(None, overrides), policy, draft, tokenizer, reward_fn=None,
-                        draft_warmup_state=warmup_state)
-    [_, optimizer], [ramp] = module.configure_optimizers()
+    cotraining = online_cotraining(draft, warmup_state, overrides)
+    optimizer, ramp = cotraining.optimizer, cotraining.lr_ramp
     with torch.no_grad():
         before = draft_loss(draft, [chunk], PASSES, DECAY)[0].item()
     lr = optimizer.param_groups[0]["lr"]
@@ -74,10 +81,8 @@ def test_a_fresh_adamw_at_the_warmup_rate_undoes_the_warmup(converged):
 
 
 def test_the_warmup_moments_are_carried_and_the_lr_is_the_online_one(converged):
-    _, draft, warmup_state, tokenizer, _ = converged
-    module = GRPOModule(load_config(None, []), converged[0], draft, tokenizer, reward_fn=None,
-                        draft_warmup_state=warmup_state)
-    [_, optimizer], _ = module.configure_optimizers()
+    _, draft, warmup_state, _, _ = converged
+    optimizer = online_cotraining(draft, warmup_state, []).optimizer
     carried = optimizer.state_dict()["state"]
     assert carried.keys() == warmup_state["state"].keys()
     assert all(torch.equal(carried[i]["exp_avg_sq"], warmup_state["state"][i]["exp_avg_sq"]) for i in carried)
