@@ -1,6 +1,8 @@
 """`HeldOutEval`: the held-out reward every N steps, so the run shows learning beyond train-batch noise."""
 from __future__ import annotations
 
+import time
+
 from typing_extensions import override
 
 from spectrain.callbacks.history import HistoryCallback
@@ -10,10 +12,10 @@ class HeldOutEval(HistoryCallback):
     """Evaluates the policy the engine serves after every `every_n_steps` steps and at the end.
 
     Logs `eval/greedy_reward`, `eval/sampled_reward` and `eval/sampled_reward_se`, and keeps
-    the points (checkpointed) for the run's plot. The prompts are fixed for the whole run (the
-    warm-start and final evaluations use the same ones), so the curve moves only with the
-    policy and the sampling noise its standard error states. It runs at the start of the next
-    step, after `WeightSync` pushed the weights, so the step time excludes it.
+    the points and their `seconds` (checkpointed) for the run's plot and speed summary. The
+    prompts are fixed for the whole run (the warm-start and final evaluations use the same
+    ones), so the curve moves only with the policy and the sampling noise its standard error
+    states. It runs at the start of the next step, after `WeightSync` pushed the weights, so the step time excludes it.
     """
 
     def __init__(self, examples, every_n_steps: int, samples: int, warmstart: dict[str, float] | None = None) -> None:
@@ -53,8 +55,9 @@ class HeldOutEval(HistoryCallback):
             self._evaluate(trainer, pl_module)
 
     def _evaluate(self, trainer, pl_module) -> None:
+        started = time.perf_counter()
         rewards = pl_module.evaluate(self.examples, self.samples)
-        self.history.append({"step": trainer.global_step, **rewards})
+        self.history.append({"step": trainer.global_step, **rewards, "seconds": time.perf_counter() - started})
         # Straight to the loggers: a value passed to `self.log` from a hook repeats in every later row.
         for logger in trainer.loggers:
             logger.log_metrics({f"eval/{k}": v for k, v in rewards.items()}, step=trainer.global_step)

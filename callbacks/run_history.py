@@ -17,6 +17,49 @@ SMOOTHED_PANELS = (("policy loss", "policy/loss"), ("KL to reference", "policy/k
 # the parts of a step's time that are logged on their own; the policy's training is what remains of `time/step`
 STEP_TIME_PARTS = (("rollout", "rollout/seconds"), ("draft update", "draft/seconds"),
                    ("weight sync", "time/weight_sync"))
+SPEED_PARTS = tuple(zip(("rollout", "draft", "sync"), (key for _, key in STEP_TIME_PARTS)))  # the summary's names
+
+
+def run_speed(steps: list[dict], evaluations: list[dict]) -> dict:
+    """What a run's summary says about its speed, from `RunHistory` rows and `HeldOutEval` rows (their `seconds`):
+    rollout tokens/s over the whole run (generated tokens / rollout seconds), the mean of the steps' acceptance
+    lengths, the median `spec/speedup_estimate` where the probe ran, and the training loop's time split in seconds
+    and shares: rollout / policy (the rest of each step) / draft / sync, and outside the steps the held-out
+    evaluations and the speedup probe."""
+    rollout_s = sum(_finite_or_zero(r.get("rollout/seconds")) for r in steps)
+    tokens = sum(_finite_or_zero(r.get("rollout/tokens_per_s")) * _finite_or_zero(r.get("rollout/seconds"))
+                 for r in steps)
+    parts = {label: sum(_finite_or_zero(r.get(key)) for r in steps) for label, key in SPEED_PARTS}
+    policy = max(0.0, sum(_finite_or_zero(r.get("time/step")) for r in steps) - sum(parts.values()))
+    split = {"rollout": parts.pop("rollout"), "policy": policy, **parts}
+    split["eval"] = sum(_finite_or_zero(r.get("seconds")) for r in evaluations)
+    split["speedup_probe"] = sum(_finite_or_zero(r.get("time/speedup_probe")) for r in steps)
+    total = sum(split.values())
+    acceptance = [r["spec/mean_acceptance_length"] for r in steps
+                  if math.isfinite(r.get("spec/mean_acceptance_length", math.nan))]
+    estimates = sorted(r["spec/speedup_estimate"] for r in steps if math.isfinite(r.get("spec/speedup_estimate",
+                                                                                             math.nan)))
+    return {"steps": len(steps), "generated_tokens": round(tokens),
+            "rollout_tokens_per_s": round(tokens / rollout_s, 1) if rollout_s else None,
+            "mean_acceptance_length": round(sum(acceptance) / len(acceptance), 3) if acceptance else None,
+            "speedup_estimate": round(estimates[len(estimates) // 2], 3) if estimates else None,
+            "seconds": {k: round(v, 2) for k, v in split.items()},
+            "share": {k: round(v / total, 3) if total else None for k, v in split.items()}}
+
+
+def speed_line(speed: dict) -> str:
+    """The summary's speed in one line, for the end of `spectrain fit`."""
+    parts = [f"rollout {speed['rollout_tokens_per_s']} tok/s"]
+    if speed["mean_acceptance_length"] is not None:
+        parts.append(f"acceptance length {speed['mean_acceptance_length']}")
+    if speed["speedup_estimate"] is not None:
+        parts.append(f"speculation speedup {speed['speedup_estimate']}x (probe)")
+    shares = ", ".join(f"{k} {v:.0%}" for k, v in speed["share"].items() if v)
+    return f"[spectrain] speed: {'; '.join(parts)}; time: {shares}"
+
+
+def _finite_or_zero(value) -> float:
+    return value if value is not None and math.isfinite(value) else 0.0
 
 
 def finite(xs: list, ys: list) -> tuple[list, list]:
@@ -32,7 +75,8 @@ class RunHistory(HistoryCallback):
     the end draws `training.png`, a grid of per-step panels over one step axis: reward (train rollouts, and
     with `HeldOutEval` the held-out greedy and sampled points), policy loss, KL to the reference, clip
     fraction, draft loss, mean acceptance length (y from 1 to its ceiling k+1), rollout tokens/s, and the
-    step time split into rollout / policy training / draft update / weight sync with the total as a line.
+    step time split into rollout / policy training / draft update / weight sync (and the held-out evaluation
+    after the step) with the step's total as a line. `run_speed` sums the same parts for the run's summary.
     The noisy series are drawn raw (thin) with an EMA; a panel whose metrics were never logged is left out.
     `num_speculative_tokens` (k) sets the acceptance ceiling; None: the module's `config.draft`'s at the end.
     """
@@ -92,7 +136,7 @@ class RunHistory(HistoryCallback):
         candidates = [self.reward_panel(held_out)]
         candidates += [self.smoothed_panel(title, key) for title, key in SMOOTHED_PANELS]
         candidates += [self.acceptance_panel(num_speculative_tokens), self.tokens_per_second_panel(),
-                       self.step_time_panel()]
+                       self.step_time_panel(held_out)]
         return [p for p in candidates if p is not None and any(c.xs for c in p.curves)]
 
     def reward_panel(self, held_out: HeldOutEval | None) -> Panel:
@@ -118,9 +162,10 @@ class RunHistory(HistoryCallback):
         # `rollout/tokens_per_s` is the module's generated tokens / rollout seconds of each step
         return self.smoothed_panel("rollout tokens/s", "rollout/tokens_per_s", ylabel="generated tokens / s")
 
-    def step_time_panel(self) -> Panel:
+    def step_time_panel(self, held_out: HeldOutEval | None = None) -> Panel:
         """Stacked bars of the step's logged parts and the rest (the policy's training and anything unlogged),
-        with the total `time/step` as a line. A part NaN or absent on a step counts 0 there."""
+        with the total `time/step` as a line; a held-out evaluation after a step (outside its `time/step`) is
+        stacked on that step's bar. A part NaN or absent on a step counts 0 there."""
         steps, totals = self.finite_column("time/step")
         rows = {r["step"]: r for r in self.history}
         parts = [(label, key) for label, key in STEP_TIME_PARTS if self.finite_column(key)[0]]
@@ -128,10 +173,12 @@ class RunHistory(HistoryCallback):
         rest = [max(0.0, total - sum(part[i] for part in seconds.values())) for i, total in enumerate(totals)]
         stacked = [("rollout", seconds.pop("rollout"))] if "rollout" in seconds else []
         stacked += [("policy training", rest), *seconds.items()]
+        evaluated = {r["step"]: r["seconds"] for r in (held_out.history if held_out else []) if "seconds" in r}
+        if any(s in evaluated for s in steps):
+            stacked.append(("held-out eval", [evaluated.get(s, 0.0) for s in steps]))
         series = [Curve(label, steps, ys, style="stacked") for label, ys in stacked]
         return Panel("step time split", [*series, Curve("step total", steps, totals)], ylabel="seconds")
 
     @staticmethod
     def _seconds(row: dict, key: str) -> float:
-        value = row.get(key, 0.0)
-        return value if math.isfinite(value) else 0.0
+        return _finite_or_zero(row.get(key))

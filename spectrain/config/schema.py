@@ -194,6 +194,10 @@ class SpeculationConfig:
     verify_budget: int | None = None  # from `spectrain calibrate`; None reads the run's calibration
     bandit: BanditConfig = field(default_factory=BanditConfig)
     long_tail: LongTailConfig = field(default_factory=LongTailConfig)
+    # every N steps (0: never), decode a few of the step's prompts with and without speculation before its
+    # rollout and log spec/speedup_estimate (tokens/s with over without, at that sample's concurrency)
+    measure_speedup_every_n_steps: int = 0
+    measure_speedup_prompts: int = 4  # the sample: this many of the step's prompts, rollout.group_size samples each
 
 
 @dataclass

@@ -74,11 +74,11 @@ _AT_LEAST_ONE = (
     "grpo.minibatches", "grpo.epochs", "draft.num_speculative_tokens", "draft.ttt_passes", "draft.every_n_steps",
     "parallel.dp", "parallel.cp", "parallel.pp", "parallel.microbatches", "speculation.bandit.window",
     "speculation.bandit.min_plays", "speculation.long_tail.threshold", "trainer.log_every_n_steps",
-    "trainer.checkpoint_every_n_steps", "trainer.log_samples_n",
+    "trainer.checkpoint_every_n_steps", "trainer.log_samples_n", "speculation.measure_speedup_prompts",
 )
 _AT_LEAST_ZERO = ("draft.warmup_steps", "draft.lr_ramp_updates", "grpo.kl_beta", "grpo.weight_decay",
                   "speculation.long_tail.max_updates", "trainer.max_steps", "trainer.eval_every_n_steps",
-                  "trainer.log_samples_every_n_steps")
+                  "trainer.log_samples_every_n_steps", "speculation.measure_speedup_every_n_steps")
 _POSITIVE = ("sft.lr", "grpo.lr", "grpo.clip_eps", "grpo.adv_eps", "grpo.grad_clip", "draft.lr", "draft.warmup_lr",
              "draft.grad_clip")
 _MAX_SEED = 2**32 - 1  # Lightning's seed_everything accepts 0..2^32-1
@@ -156,6 +156,8 @@ def _check_torch_engine(c: SpecTrainConfig) -> None:
              f"speculation depth, but rollout.engine=torch does not speculate; set speculation.mode=fixed {fix}")
     _require(not s.long_tail.enabled, "speculation.long_tail.enabled", f"spot training runs in vLLM's step loop, "
              f"which rollout.engine=torch does not have; set speculation.long_tail.enabled=false {fix}")
+    _require(not s.measure_speedup_every_n_steps, "speculation.measure_speedup_every_n_steps", "compares decoding "
+             f"with and without speculation, but rollout.engine=torch does not speculate; set it to 0 {fix}")
     _require(not r.vllm_kwargs, "rollout.vllm_kwargs", f"{dict(r.vllm_kwargs)} would be ignored by "
              f"rollout.engine=torch (they are vllm.LLM arguments); drop them {fix}")
     _require(r.tensor_parallel_size == 1, "rollout.tensor_parallel_size", f"is {r.tensor_parallel_size}, but "
@@ -292,6 +294,11 @@ def _check_speculation(c: SpecTrainConfig) -> None:
              f"{list(b.bucket_edges)} must be strictly increasing batch sizes > 1, e.g. [4, 16, 64]")
     _require(s.mode == "fixed" or d.mode != "none", "speculation.mode",
              f"'{s.mode}' adapts the draft's k, but draft.mode=none; use speculation.mode=fixed")
+    _require(not s.measure_speedup_every_n_steps or d.mode != "none", "speculation.measure_speedup_every_n_steps",
+             "compares decoding with and without the draft, but draft.mode=none; set it to 0, or use a draft")
+    _require(s.measure_speedup_prompts <= c.rollout.prompts_per_step, "speculation.measure_speedup_prompts",
+             f"is {s.measure_speedup_prompts}; the sample comes from the step's rollout.prompts_per_step="
+             f"{c.rollout.prompts_per_step} prompts: give at most that many")
     if s.mode == "bandit":
         _require(len(b.arms) >= 1 and len(set(b.arms)) == len(b.arms), "speculation.bandit.arms",
                  f"{list(b.arms)} must list one or more distinct k values, e.g. [1, 2, 3]")

@@ -1,6 +1,7 @@
 """The rollout-engine protocol the trainer talks to, and the data it returns."""
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Iterable, Protocol, runtime_checkable
 
@@ -106,5 +107,9 @@ class RolloutEngine(Protocol):
     def verify_weights(self, weights: NamedTensors, which: str, rtol: float) -> ProbeResult: ...
 
     def disable_speculation(self) -> None: ...
+
+    def without_speculation(self) -> AbstractContextManager[None]:
+        """Plain decoding inside the block; the speculation schedule as it was after it."""
+        ...
 
     def shutdown(self) -> None: ...

@@ -15,6 +15,7 @@ at zero and the draft's acceptance checks have nothing to act on.
 from __future__ import annotations
 
 from collections import deque
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -225,6 +226,9 @@ class TorchSamplingEngine:
 
     def disable_speculation(self) -> None:
         """Nothing to disable: this engine never speculates."""
+
+    def without_speculation(self) -> AbstractContextManager[None]:
+        return nullcontext()  # it decodes plainly anyway
 
     def shutdown(self) -> None:
         self.policy = None

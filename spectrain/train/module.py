@@ -10,6 +10,7 @@ draft's optimizer, backpropagates each and steps it at the end of the step), and
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
@@ -197,6 +198,26 @@ class GRPOModule(L.LightningModule):
             stats = RolloutStats(seconds, len(completions), sum(len(c.token_ids) for c in completions), spec,
                                  self.engine.take_load_stats())
             result = (completions, rewards, stats)
+        return self.plan.share(result)
+
+    @torch.no_grad()
+    def measure_speedup(self, examples) -> dict[str, float]:
+        """Decodes `examples` (`rollout.group_size` samples each, sampled as in training) twice on the engine: as it
+        speculates now and without speculation, in an order that alternates by step (neither always runs second on
+        a warmer engine). Both generated-tokens/s and their ratio `spec/speedup_estimate`, on every rank."""
+        result = None
+        if self.plan.is_rollout_rank:
+            prompts = [self.tokenizer.encode_prompt(ex.prompt) for ex in examples]
+            sampling = self.sampling_config(self.config.rollout.group_size)
+            rates = {}
+            for plain in ((False, True) if self.global_step % 2 == 0 else (True, False)):
+                self.seed_sampling("speedup")
+                with self.engine.without_speculation() if plain else contextlib.nullcontext():
+                    started = time.perf_counter()
+                    completions = self.engine.generate(prompts, sampling)
+                    rates[plain] = sum(len(c.token_ids) for c in completions) / (time.perf_counter() - started)
+            result = {"spec/speedup_estimate": rates[False] / rates[True], "spec/probe_tokens_per_s": rates[False],
+                      "spec/probe_plain_tokens_per_s": rates[True]}
         return self.plan.share(result)
 
     @torch.no_grad()

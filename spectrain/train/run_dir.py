@@ -87,7 +87,8 @@ class RunDir:
                         "trainer.logger", "trainer.project_name", "trainer.experiment_name",
                         "trainer.log_samples_every_n_steps", "trainer.log_samples_n", "trainer.keep_checkpoints",
                         "trainer.save_top_k", "trainer.save_top_k_metric", "trainer.save_top_k_mode",
-                        "trainer.export_every_n_steps", "trainer.keep_exports")
+                        "trainer.export_every_n_steps", "trainer.keep_exports",
+                        "speculation.measure_speedup_every_n_steps", "speculation.measure_speedup_prompts")
 
     def _check_same_config(self) -> None:
         differences = self._config_differences()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import math
 import random
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, IterableDataset
 
 from spectrain import console
+from spectrain.callbacks.run_history import run_speed, speed_line
 from spectrain.config import SpecTrainConfig
 from spectrain.config.validation import check_pipeline_fits
 from spectrain.errors import ConfigError
@@ -60,6 +62,7 @@ class FitResult:
     steps: int
     seconds: float
     history: list[dict]
+    speed: dict  # `run_speed`: rollout tokens/s, acceptance, the speedup probe's estimate, the time split
 
     @property
     def warmstart_reward(self) -> float:
@@ -76,7 +79,7 @@ class FitResult:
             gains["sampled_reward_gain_se"] = round(math.hypot(self.final_eval["sampled_reward_se"],
                                                                self.warmstart_eval["sampled_reward_se"]), 4)
         return {"run_dir": str(self.run_dir), "steps": self.steps, "seconds": round(self.seconds, 1),
-                "warmstart": self.warmstart_eval, "final": self.final_eval, **gains}
+                "warmstart": self.warmstart_eval, "final": self.final_eval, **gains, "speed": self.speed}
 
 
 class SpecTrainer:
@@ -207,6 +210,7 @@ class SpecTrainer:
             PeriodicExport,
             RunHistory,
             SampleGenerations,
+            SpeedupProbe,
             StopOnSignal,
             WeightSync,
         )
@@ -225,6 +229,9 @@ class SpecTrainer:
         if self.config.trainer.eval_every_n_steps:  # after WeightSync: it evaluates the step's weights
             callbacks.append(HeldOutEval(self.eval_examples(), self.config.trainer.eval_every_n_steps,
                                          self.config.rollout.eval_samples, warmstart=self.warm_eval))
+        s = self.config.speculation
+        if s.measure_speedup_every_n_steps:  # before the step's rollout, on the weights it is about to use
+            callbacks.append(SpeedupProbe(s.measure_speedup_every_n_steps, s.measure_speedup_prompts))
         t = self.config.trainer
         if t.save_top_k:  # after HeldOutEval (it reads the scores), before the ModelCheckpoints (same state)
             callbacks.append(BestCheckpoints(self.run_dir / "checkpoints" / "best", t.save_top_k_metric.split("/")[-1],
@@ -319,13 +326,15 @@ class SpecTrainer:
             # parallel.fsdp: every rank gathers the shards, rank 0 keeps the whole models (else: the modules themselves)
             self.export_step(self.run_dir / "final" if self.is_rank_zero else None)
             history = self.history()
+            speed = self.speed(history)
         finally:
             if self.engine is not None:
                 self.engine.shutdown()  # vLLM also destroys rank 0's process group: no collective after this
         result = FitResult(self.run_dir, self.warm_eval, final_eval, self.trainer.global_step,
-                           time.perf_counter() - started, history)
+                           time.perf_counter() - started, history, speed)
         if self.is_rank_zero:
             self.run.record({"result": result.summary()})
+            print(speed_line(speed), file=sys.stderr, flush=True)
         return result
 
     def check_inputs(self) -> tuple[str | None, int]:
@@ -502,13 +511,20 @@ class SpecTrainer:
 
         held_out = self._callback(HeldOutEval)
         if held_out is not None and held_out.history and held_out.history[-1]["step"] == self.trainer.global_step:
-            return {k: v for k, v in held_out.history[-1].items() if k != "step"}
+            return {k: v for k, v in held_out.history[-1].items() if k not in ("step", "seconds")}
         return self.evaluate(examples)
 
     def history(self) -> list[dict]:
         from spectrain.callbacks import RunHistory
 
         return self._callback(RunHistory).history
+
+    def speed(self, history: list[dict]) -> dict:
+        """The run's speed figures (`run_speed`) over every step, also those before a resume."""
+        from spectrain.callbacks import HeldOutEval
+
+        held_out = self._callback(HeldOutEval)
+        return run_speed(history, held_out.history if held_out is not None else [])
 
     def _callback(self, cls: type[Callback]) -> Callback | None:
         return next((c for c in self.trainer.callbacks if isinstance(c, cls)), None)

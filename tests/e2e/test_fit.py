@@ -29,9 +29,10 @@ def untrained_draft_loss(run_dir, config) -> float:
 
 
 @pytest.mark.slow
-def test_fit_runs_end_to_end_and_resumes(tmp_path):
+def test_fit_runs_end_to_end_and_resumes(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    assert cli_main(["fit", "tiny_cpu", f"trainer.run_dir={run_dir}", "trainer.max_steps=2", *TINY]) == 0
+    probe = "speculation.measure_speedup_every_n_steps=2"  # on step 1 only; a resume may drop it
+    assert cli_main(["fit", "tiny_cpu", f"trainer.run_dir={run_dir}", "trainer.max_steps=2", probe, *TINY]) == 0
     for path in ["config.yaml", "training.png", "acceptance_length.png", "final/policy/config.json",
                  "final/policy/model.safetensors", "final/policy/tokenizer.json", "final/draft/config.json",
                  "checkpoints/last.ckpt", "warmstart/meta.json", "warmstart/draft/meta.json"]:
@@ -63,6 +64,7 @@ def test_fit_runs_end_to_end_and_resumes(tmp_path):
     held_out = [r for r in rows if r.get("eval/sampled_reward")]
     assert [int(r["step"]) for r in held_out] == [1, 2]  # after steps 1 and 2 (the warm start is step 0's)
     assert summary["final"]["sampled_reward"] == pytest.approx(float(held_out[-1]["eval/sampled_reward"]))
+    assert_speed_reported(summary["speed"], rows, capsys.readouterr())
 
     # Same command, more steps: resumes from the checkpoint instead of starting over.
     config = load_config("tiny_cpu", [f"trainer.run_dir={run_dir}", "trainer.max_steps=3", *TINY])
@@ -74,6 +76,24 @@ def test_fit_runs_end_to_end_and_resumes(tmp_path):
     changed = load_config("tiny_cpu", [f"trainer.run_dir={run_dir}", "grpo.lr=1.0", *TINY])
     with pytest.raises(RunDirError, match="different config"):
         SpecTrainer(changed).fit()
+
+
+def assert_speed_reported(speed: dict, rows: list[dict], captured) -> None:
+    """The run's speed in its summary (spectrain_run.json, the printed JSON) and one line on stderr."""
+    tokens = sum(t * s for t, s in zip(column(rows, "rollout/tokens_per_s"), column(rows, "rollout/seconds")))
+    assert speed["generated_tokens"] == round(tokens) > 0 and speed["rollout_tokens_per_s"] > 0
+    assert speed["mean_acceptance_length"] == pytest.approx(
+        sum(column(rows, "spec/mean_acceptance_length")) / 2, abs=1e-3)
+    probed = {key: column(rows, key) for key in ("spec/speedup_estimate", "spec/probe_tokens_per_s",
+                                                 "spec/probe_plain_tokens_per_s", "time/speedup_probe")}
+    assert all(len(v) == 2 and math.isnan(v[1]) for v in probed.values()), probed  # step 1 only; NaN on step 2
+    estimate, rate, plain = (probed[k][0] for k in list(probed)[:3])
+    assert estimate > 0 and speed["speedup_estimate"] == pytest.approx(estimate, abs=1e-3)
+    assert rate == pytest.approx(estimate * plain, rel=1e-6)
+    assert speed["seconds"]["rollout"] > 0 and speed["seconds"]["draft"] > 0 and speed["seconds"]["eval"] > 0
+    assert speed["seconds"]["speedup_probe"] > 0 and sum(speed["share"].values()) == pytest.approx(1, abs=0.01)
+    assert json.loads(captured.out[captured.out.index("{"):])["speed"] == speed
+    assert "[spectrain] speed: rollout " in captured.err and " (probe); time: rollout " in captured.err
 
 
 def test_existing_foreign_directory_is_refused(tmp_path):

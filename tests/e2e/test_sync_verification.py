@@ -141,6 +141,27 @@ def rollout_stats(drafts, accepted):
     return SimpleNamespace(spec=SpecDecodeCounters(drafts, 3 * drafts, accepted, [accepted, 0, 0]))
 
 
+def test_without_speculation_decodes_plainly_inside_the_block_and_speculates_again_after(world):
+    from spectrain.rollout.vllm import compat
+
+    engine, tokens = world.engine, [CharTokenizer().encode("12+34="), CharTokenizer().encode("7+8=")]
+    scheduler = engine.in_process_scheduler()
+    schedule = compat.dynamic_k_lookup(scheduler)
+    greedy = SamplingConfig(n=1, max_tokens=8, temperature=0.0)
+
+    def drafts() -> int:
+        before = engine.spec_decode_counters()
+        engine.generate(tokens, greedy)
+        return (engine.spec_decode_counters() - before).num_drafts
+
+    with engine.without_speculation():
+        assert drafts() == 0
+    assert compat.dynamic_k_lookup(scheduler) == schedule and drafts() > 0
+    with pytest.raises(RuntimeError, match="inside"), engine.without_speculation():
+        raise RuntimeError("inside")
+    assert compat.dynamic_k_lookup(scheduler) == schedule  # restored when the block fails too
+
+
 def test_acceptance_collapse_probes_the_drafter_and_disables_speculation(world):
     engine, tokens = world.engine, [CharTokenizer().encode("12+34="), CharTokenizer().encode("7+8=")]
     module = module_for(engine, world, trains_draft=False)

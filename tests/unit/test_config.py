@@ -196,3 +196,16 @@ def test_their_fixes_are_not_warned_about(overrides, recwarn):
 def test_checkpoint_and_export_keys_are_checked(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config("tiny_cpu", override.split())
+
+
+@pytest.mark.parametrize("override, message", [
+    ("speculation.measure_speedup_every_n_steps=-1", r"speculation\.measure_speedup_every_n_steps: is -1; .*>= 0"),
+    ("speculation.measure_speedup_every_n_steps=5 draft.mode=none",
+     r"speculation\.measure_speedup_every_n_steps: compares decoding with and without the draft, but draft\.mode=none"),
+    ("speculation.measure_speedup_prompts=0", r"speculation\.measure_speedup_prompts: is 0; .*>= 1"),
+    ("speculation.measure_speedup_prompts=17", r"speculation\.measure_speedup_prompts: is 17; the sample comes from "
+                                               r"the step's rollout\.prompts_per_step=16 prompts: give at most that"),
+])
+def test_speedup_probe_keys_are_checked(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("tiny_cpu", override.split())

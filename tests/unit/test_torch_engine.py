@@ -192,6 +192,7 @@ def test_sync_reaches_a_tied_head(tmp_path):
     ("speculation.long_tail.enabled=true", "speculation.long_tail.enabled"),
     ("rollout.vllm_kwargs={max_num_seqs: 8}", "rollout.vllm_kwargs"),
     ("rollout.tensor_parallel_size=2", "rollout.tensor_parallel_size"),
+    ("speculation.measure_speedup_every_n_steps=5", "speculation.measure_speedup_every_n_steps"),
 ])
 def test_vllm_only_settings_are_refused_with_the_torch_engine(override, key):
     with pytest.raises(ConfigError, match=rf"^{key}: .*rollout\.engine=torch.*rollout\.engine=vllm"):

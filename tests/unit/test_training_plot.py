@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from spectrain.callbacks import HeldOutEval, RunHistory
+from spectrain.callbacks.run_history import run_speed, speed_line
 from spectrain.plots import ema, plot_grid, plot_panels, smoothing_alpha
 
 ALL_TITLES = ["reward", "policy loss", "KL to reference", "clip fraction", "draft loss", "mean acceptance length",
@@ -96,6 +97,40 @@ def test_step_time_split_stacks_to_the_step_time():
     assert curves["policy training"].ys == pytest.approx([1.5 - 0.8 - 0.3 - 0.05, 1.5 - 0.8 - 0.05, 0.35])
     stacked = [sum(c.ys[i] for c in curves.values() if c.style == "stacked") for i in range(3)]
     assert stacked == pytest.approx(curves["step total"].ys)
+
+
+def test_a_held_out_evaluation_after_a_step_is_stacked_on_its_bar():
+    held_out = held_out_eval([{"step": 0, "greedy_reward": 0.2, "sampled_reward": 0.15},  # the warm start's: untimed
+                              {"step": 2, "greedy_reward": 0.3, "sampled_reward": 0.2, "seconds": 0.7}])
+    curves = {c.label: c for c in by_title(history(run_rows(3)).panels(held_out))["step time split"].curves}
+    assert curves["held-out eval"].ys == [0.0, 0.7, 0.0] and curves["held-out eval"].style == "stacked"
+    assert curves["step total"].ys == [1.5, 1.5, 1.5]  # `time/step` excludes the evaluation
+
+
+def test_run_speed_sums_the_parts_by_hand():
+    rows = run_rows(3)
+    rows[1]["draft/seconds"] = math.nan
+    rows[0].update({"spec/speedup_estimate": 1.4, "time/speedup_probe": 0.5})
+    rows[2].update({"spec/speedup_estimate": 1.2, "time/speedup_probe": 0.5})
+    speed = run_speed(rows, [{"step": 0, "greedy_reward": 0.2}, {"step": 2, "greedy_reward": 0.3, "seconds": 0.7}])
+    tokens = 2010 + 2020 + 2030
+    assert speed["generated_tokens"] == tokens and speed["rollout_tokens_per_s"] == pytest.approx(2525.0)
+    assert speed["mean_acceptance_length"] == pytest.approx(1.22)
+    assert speed["speedup_estimate"] == 1.4  # the median of two: the upper one
+    want = {"rollout": 2.4, "draft": 0.6, "sync": 0.15, "policy": 4.5 - 2.4 - 0.6 - 0.15, "eval": 0.7,
+            "speedup_probe": 1.0}
+    assert speed["seconds"] == pytest.approx(want)
+    assert speed["share"] == pytest.approx({k: v / 6.2 for k, v in want.items()}, abs=1e-3)
+    line = speed_line(speed)
+    assert line == ("[spectrain] speed: rollout 2525.0 tok/s; acceptance length 1.22; speculation speedup 1.4x "
+                    "(probe); time: rollout 39%, policy 22%, draft 10%, sync 2%, eval 11%, speedup_probe 16%"), line
+
+
+def test_run_speed_of_a_run_without_a_draft_or_rollouts_has_no_acceptance_or_rate():
+    speed = run_speed([{"step": 1, "time/step": 2.0}], [])
+    assert speed["rollout_tokens_per_s"] is None and speed["mean_acceptance_length"] is None
+    assert speed["seconds"]["policy"] == 2.0 and speed["share"]["policy"] == 1.0
+    assert speed_line(speed).endswith("time: policy 100%")
 
 
 def test_reward_panel_has_the_held_out_points_as_markers():

@@ -86,6 +86,12 @@ def set_dynamic_k_lookup(scheduler, ranges: Sequence[tuple[int, int, int]], max_
     scheduler.dynamic_sd_lookup = build([list(r) for r in ranges], max_num_seqs, k_max)
 
 
+def restore_dynamic_k_lookup(scheduler, lookup: list[int] | None) -> None:
+    """Put back a table `dynamic_k_lookup` returned (None: the engine's fixed `num_speculative_tokens` again)."""
+    dynamic_k_lookup(scheduler)
+    scheduler.dynamic_sd_lookup = lookup
+
+
 def shutdown(llm) -> None:
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if core is not None and hasattr(core, "shutdown"):

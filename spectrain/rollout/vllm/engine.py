@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from spectrain import console
@@ -267,6 +268,21 @@ class VLLMRolloutEngine:
         if self.draft_dir is not None:
             self._set_lookup(self.in_process_scheduler(), [(1, self.max_num_seqs, 0)])
         self.speculation_disabled = True
+
+    @contextmanager
+    def without_speculation(self):
+        """Plain decoding inside the block (`spec/speedup_estimate`'s baseline); the batch size -> `k` table as it
+        was after it. The engine's spec-decode counters do count the block's decoding (no drafts in it)."""
+        if self.draft_dir is None or self.speculation_disabled:
+            yield
+            return
+        scheduler = self.in_process_scheduler()
+        saved = compat.dynamic_k_lookup(scheduler)
+        self._set_lookup(scheduler, [(1, self.max_num_seqs, 0)])
+        try:
+            yield
+        finally:
+            compat.restore_dynamic_k_lookup(scheduler, saved)
 
     def set_num_speculative_tokens(self, k: int) -> None:
         """Speculate `k` tokens at every batch size from the next engine step on (0 = draft nothing)."""
