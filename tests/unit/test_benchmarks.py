@@ -263,3 +263,90 @@ def test_bench_memory_quick_writes_the_report_and_micro_batches_cap_the_peak(tmp
     largest = max(data["options"]["scales"])
     peak = {p["mode"]: p["peak_bytes"] for p in data["points"] if p["scale"] == largest}
     assert 0 < peak["after"] < peak["before"]
+
+
+# bench speedup ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, message", [
+    (("modes=none,turbo",), "bench speedup: modes='none,turbo': unknown turbo; choose from none, frozen, cotrained"),
+    (("modes=frozen,cotrained",), "bench speedup: modes must include none, the baseline every ratio divides by"),
+    (("ks=1,5",), r"bench speedup: ks='1,5': each fixed k must be in 1..3"),
+    (("steps=1",), "bench speedup: steps=1 rounds=3: give steps >= 2"),
+    (("tiny_cpu", "draft.mode=fast"), "bench speedup: draft.mode: 'fast' is not one of"),
+])
+def test_speedup_refuses_bad_options_before_any_run(capsys, args, message):
+    code, err = _bench(capsys, "speedup", *args)
+    assert code == 2 and err.startswith(f"error: {message}"), err
+
+
+def test_speedup_modes_and_their_overrides():
+    from benchmarks.speedup import mode_overrides, parse, round_order
+
+    options, overrides = parse(["tiny_cpu_concurrency", "ks=1,4", "steps=3", "rollout.group_size=2"])
+    assert (options["recipe"], options["steps"], overrides) == ("tiny_cpu_concurrency", 3, ["rollout.group_size=2"])
+    assert options["modes"] == "none,frozen,cotrained,concurrency,bandit,cotrained_k1"  # 4 is the recipe's own k
+    modes = options["modes"].split(",")
+    assert round_order(modes, 0) == modes and round_order(modes, 2)[:2] == ["cotrained", "concurrency"]
+    assert mode_overrides("cotrained_k1", 4, None)[-1] == "draft.num_speculative_tokens=1"
+    assert mode_overrides("bandit", 3, 40) == ["draft.mode=cotrained", "speculation.mode=bandit",
+                                               "speculation.verify_budget=40", "speculation.bandit.arms=[1,2,3]"]
+    assert mode_overrides("none", 3, 40) == ["draft.mode=none", "speculation.mode=fixed"]
+
+
+def speedup_run(step_seconds: list[float], rollout_seconds: float, tokens: float, reward: float,
+                acceptance: float | None = None, draft: float | None = None) -> dict:
+    n = len(step_seconds)
+    nan = [math.nan] * n
+    return {"per_step": {"step": list(range(1, n + 1)), "reward": [reward] * n, "time/step": step_seconds,
+                         "rollout/seconds": [rollout_seconds] * n,
+                         "rollout/tokens_per_s": [tokens / rollout_seconds] * n,
+                         "draft/seconds": [draft] * n if draft else nan, "time/weight_sync": [0.01] * n,
+                         "spec/mean_acceptance_length": [acceptance] * n if acceptance else nan, "spec/k_mean": nan}}
+
+
+def test_speedup_summary_pairs_rounds_and_skips_each_runs_first_step():
+    from benchmarks.speedup import markdown, summarise
+
+    runs = {"none": [speedup_run([9.0, 1.0, 1.0, 1.0], 0.5, 100, 0.5), speedup_run([9.0, 2.0, 2.0], 1.0, 100, 0.5)],
+            "cotrained": [speedup_run([9.0, 0.5, 0.5, 0.5], 0.25, 100, 0.5, 3.0, 0.1),
+                          speedup_run([9.0, 4.0, 4.0], 2.0, 100, 0.5, 3.0, 0.1)],
+            "concurrency": [speedup_run([9.0, 0.4, 0.4, 0.4], 0.2, 100, 0.5, 3.2, 0.1),
+                            speedup_run([9.0, 5.0, 5.0], 2.5, 100, 0.5, 3.2, 0.1)]}
+    s = summarise(runs)
+    h = s["headline"]
+    assert h["e2e_cotrained_over_none"]["runs"] == [2.0, 0.5]  # round 1: 1.0 / 0.5; round 2: 2.0 / 4.0
+    assert h["rollout_cotrained_over_none"]["runs"] == [2.0, 0.5]
+    assert h["adaptive_over_best_fixed_k"]["runs"] == [0.5 / 0.4, 4.0 / 5.0]
+    assert "cotrained_over_frozen" not in h  # no frozen mode ran
+    m = s["modes"]["cotrained"]
+    assert m["draft_share"]["median"] == pytest.approx((0.2 + 0.025) / 2)
+    assert m["acceptance_length"]["median"] == 3.0 and "acceptance_length" not in s["modes"]["none"]
+    assert m["reward_vs_none"]["difference"] == 0.0
+    text = markdown({"summary": s, "options": {"recipe": "tiny_cpu", "steps": 4}, "command": "c", "machine": "m"})
+    assert "| end-to-end step speed, co-trained / none (`e2e_cotrained_over_none`) | **1.25x** (1.25x faster" in text
+    assert "(`adaptive_over_best_fixed_k`) | **1.02x** (1.02x faster; 0.80..1.25) |" in text
+
+
+def test_speedup_writes_a_slowdown_as_a_slowdown():
+    from benchmarks.speedup import ratio_text
+
+    assert ratio_text({"median": 0.5, "min": 0.4, "max": 0.6}) == "**0.50x** (2.00x slower; 0.40..0.60)"
+
+
+@pytest.mark.slow
+def test_bench_speedup_end_to_end_writes_the_report(tmp_path):
+    """Two rounds of none and co-trained, tiny: every run timed after its first step, the headlines paired."""
+    from tests.helpers import TINY
+
+    out, work = tmp_path / "out", tmp_path / "work"
+    assert cli.main(["bench", "speedup", "tiny_cpu", "steps=2", "rounds=2", "modes=none,cotrained", "ks=",
+                     f"out={out}", f"work={work}", *TINY]) == 0
+    data = json.loads((out / "speedup.json").read_text())
+    assert [r["round"] for r in data["runs"]["none"]] == [0, 1] and set(data["runs"]) == {"none", "cotrained"}
+    ratio = data["summary"]["headline"]["e2e_cotrained_over_none"]
+    steps = {m: [r["per_step"]["time/step"][1] for r in runs] for m, runs in data["runs"].items()}
+    assert ratio["runs"] == pytest.approx([n / c for n, c in zip(steps["none"], steps["cotrained"])])
+    assert data["headline"]["rollout_cotrained_over_none"] > 0
+    assert data["summary"]["modes"]["cotrained"]["acceptance_length"]["median"] > 1
+    assert all(r["speed"]["rollout_tokens_per_s"] > 0 for runs in data["runs"].values() for r in runs)
+    assert (out / "speedup.png").is_file() and "e2e_cotrained_over_none" in (out / "speedup.md").read_text()
