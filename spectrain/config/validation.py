@@ -296,7 +296,8 @@ def _check_speculation(c: SpecTrainConfig) -> None:
              f"'{s.mode}' adapts the draft's k, but draft.mode=none; use speculation.mode=fixed")
     _require(not s.measure_speedup_every_n_steps or d.mode != "none", "speculation.measure_speedup_every_n_steps",
              "compares decoding with and without the draft, but draft.mode=none; set it to 0, or use a draft")
-    _require(s.measure_speedup_prompts <= c.rollout.prompts_per_step, "speculation.measure_speedup_prompts",
+    _require(not s.measure_speedup_every_n_steps or s.measure_speedup_prompts <= c.rollout.prompts_per_step,
+             "speculation.measure_speedup_prompts",
              f"is {s.measure_speedup_prompts}; the sample comes from the step's rollout.prompts_per_step="
              f"{c.rollout.prompts_per_step} prompts: give at most that many")
     if s.mode == "bandit":

@@ -203,9 +203,14 @@ def test_checkpoint_and_export_keys_are_checked(override, message):
     ("speculation.measure_speedup_every_n_steps=5 draft.mode=none",
      r"speculation\.measure_speedup_every_n_steps: compares decoding with and without the draft, but draft\.mode=none"),
     ("speculation.measure_speedup_prompts=0", r"speculation\.measure_speedup_prompts: is 0; .*>= 1"),
-    ("speculation.measure_speedup_prompts=17", r"speculation\.measure_speedup_prompts: is 17; the sample comes from "
+    ("speculation.measure_speedup_every_n_steps=5 speculation.measure_speedup_prompts=17",
+     r"speculation\.measure_speedup_prompts: is 17; the sample comes from "
                                                r"the step's rollout\.prompts_per_step=16 prompts: give at most that"),
 ])
 def test_speedup_probe_keys_are_checked(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config("tiny_cpu", override.split())
+
+
+def test_the_probe_sample_size_is_only_checked_when_the_probe_is_on():
+    assert load_config("tiny_cpu", ["rollout.prompts_per_step=2"]).speculation.measure_speedup_prompts == 4
