@@ -13,6 +13,7 @@ from spectrain.parallel.plan import DraftInputs
 from spectrain.train.draft_update import DraftGradients, DraftUpdate, draft_optimizer, draft_update, warn_if_skipped
 
 STATE_KEY = "DraftCoTraining"  # the class name, Lightning's default key: what checkpoints already hold
+HOLD_WINDOW = 8  # rollouts whose best acceptance gain a held draft is measured against
 
 
 def migrate_draft_optimizer(checkpoint: dict) -> None:
@@ -46,12 +47,21 @@ class DraftCoTraining(Callback):
     key: a second instance would update the same draft twice per step, and Lightning refuses two
     stateful callbacks with one key.
 
+    With `hold_tolerance > 0` it also skips updates while the draft holds: when the last rollout's
+    acceptance gain (length - 1) is at least `1 - hold_tolerance` of the best gain of the
+    `HOLD_WINDOW` rollouts before it, the step goes without an update (no taps captured either),
+    but never more than `max_held_steps` steps in a row. A drop below that line (the policy moved
+    away from the draft) brings the updates back at once. The decision uses the previous step's
+    rollout, the latest the draft's quality is known from when the step starts.
+
     Args:
         every_n_steps: update the draft on every n-th step.
         grad_clip: max global norm of the draft's gradients.
         ttt_passes: K, the training-time-test passes unrolled.
         pass_decay: weight `pass_decay**(d-1)` of pass d's loss.
         loss_kernel: `draft.loss_kernel`, the implementation of the lm_head + soft CE.
+        hold_tolerance: skip updates while acceptance holds within this fraction of its recent best (0: never).
+        max_held_steps: the most steps in a row without a draft update.
         lr: the online learning rate, reached after the ramp.
         lr_ramp_updates: the ramp's length in applied updates (0: the full lr at once).
         warmup_optimizer_state: the offline warm-up's AdamW `state_dict` (full tensors) to continue from, or None.
@@ -59,8 +69,11 @@ class DraftCoTraining(Callback):
 
     def __init__(self, every_n_steps: int = 1, grad_clip: float = 1.0, ttt_passes: int = 3,
                  pass_decay: float = 0.8, loss_kernel: str = "auto", lr: float = 3e-4, lr_ramp_updates: int = 10,
-                 warmup_optimizer_state: dict | None = None) -> None:
+                 warmup_optimizer_state: dict | None = None, hold_tolerance: float = 0.0,
+                 max_held_steps: int = 4) -> None:
+        assert 0 <= hold_tolerance < 1 and max_held_steps >= 1, (hold_tolerance, max_held_steps)
         self.every_n_steps = every_n_steps
+        self.hold_tolerance, self.max_held_steps = hold_tolerance, max_held_steps
         self.grad_clip = grad_clip
         self.ttt_passes = ttt_passes
         self.pass_decay = pass_decay
@@ -71,6 +84,8 @@ class DraftCoTraining(Callback):
         self.lr_ramp: torch.optim.lr_scheduler.LambdaLR | None = None
         self.steps_trained = 0
         self.steps_skipped = 0
+        self.recent_gains: list[float] = []  # acceptance gains of the last rollouts, oldest first
+        self.steps_without_update = 0  # in a row, up to the last step
         self._restored: dict | None = None  # a checkpoint's optimizer and ramp, until the optimizer exists
         self._strategy = None  # gathers the optimizer's shards for a checkpoint
         self._grads: DraftGradients | None = None  # this step's update, while the policy forwards feed it
@@ -81,7 +96,8 @@ class DraftCoTraining(Callback):
         """The callback for a `draft` config section (`spectrain fit`'s; the warm-up's state only if it is carried)."""
         return cls(every_n_steps=d.every_n_steps, grad_clip=d.grad_clip, ttt_passes=d.ttt_passes,
                    pass_decay=d.pass_decay, loss_kernel=d.loss_kernel, lr=d.lr, lr_ramp_updates=d.lr_ramp_updates,
-                   warmup_optimizer_state=warmup_optimizer_state if d.carry_warmup_optimizer else None)
+                   warmup_optimizer_state=warmup_optimizer_state if d.carry_warmup_optimizer else None,
+                   hold_tolerance=d.hold_tolerance, max_held_steps=d.max_held_steps)
 
     @property
     @override
@@ -130,7 +146,21 @@ class DraftCoTraining(Callback):
 
     def wants_draft_taps(self, trainer) -> bool:
         """Whether the step about to run trains the draft (the module captures taps only then)."""
-        return trainer.global_step % self.every_n_steps == 0
+        return trainer.global_step % self.every_n_steps == 0 and not self.draft_holds()
+
+    def draft_holds(self) -> bool:
+        """The last rollout's acceptance gain is within `hold_tolerance` of the best before it, and the draft has
+        not gone `max_held_steps` steps without an update."""
+        if not self.hold_tolerance or self.steps_without_update >= self.max_held_steps or len(self.recent_gains) < 2:
+            return False
+        *earlier, last = self.recent_gains
+        return last >= (1 - self.hold_tolerance) * max(earlier)
+
+    def observe_acceptance(self, spec) -> None:
+        """Keep the rollout's acceptance gain (`spec`: its `SpecStats`) for the hold decision; nothing if it drafted
+        nothing (k=0)."""
+        if spec.num_drafts:
+            self.recent_gains = [*self.recent_gains, spec.mean_acceptance_length - 1.0][-(HOLD_WINDOW + 1):]
 
     @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -149,7 +179,11 @@ class DraftCoTraining(Callback):
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self._grads is None:
+        self.observe_acceptance(outputs["step"].rollout.spec)
+        trained = self._grads is not None
+        self.steps_without_update = 0 if trained else self.steps_without_update + 1
+        pl_module.log("draft/updated", float(trained), on_step=True, batch_size=1)
+        if not trained:
             # NaN, not nothing: Lightning would repeat the last trained step's values in this row
             pl_module.log_dict({**self._metrics(math.nan, math.nan, [math.nan] * self.ttt_passes,
                                                 [math.nan] * self.ttt_passes), "draft/lr": math.nan},
@@ -184,7 +218,8 @@ class DraftCoTraining(Callback):
 
     @override
     def state_dict(self) -> dict:
-        state = {"steps_trained": self.steps_trained, "steps_skipped": self.steps_skipped}
+        state = {"steps_trained": self.steps_trained, "steps_skipped": self.steps_skipped,
+                 "recent_gains": list(self.recent_gains), "steps_without_update": self.steps_without_update}
         if self.optimizer is not None:  # full tensors (collective under FSDP: every rank saves a checkpoint)
             state.update(optimizer=self._strategy.optimizer_state(self.optimizer), lr_ramp=self.lr_ramp.state_dict())
         return state
@@ -193,6 +228,8 @@ class DraftCoTraining(Callback):
     def load_state_dict(self, state_dict: dict) -> None:
         self.steps_trained = state_dict["steps_trained"]
         self.steps_skipped = state_dict["steps_skipped"]
+        self.recent_gains = list(state_dict.get("recent_gains", []))  # absent from checkpoints before the hold
+        self.steps_without_update = state_dict.get("steps_without_update", 0)
         if "optimizer" in state_dict:
             self._restored = {"optimizer": state_dict["optimizer"], "lr_ramp": state_dict.get("lr_ramp")}
             self._apply_restored()  # now, if a strategy restores after its setup (the optimizer exists then)

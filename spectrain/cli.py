@@ -21,7 +21,7 @@ from spectrain import console
 from spectrain.config import DEFAULT_RECIPE, load_config, packaged_recipe_dir, to_yaml
 from spectrain.errors import ConfigError, InputWarning, SpecTrainError
 
-BENCHMARKS = ("drift", "draft_optimizer", "cp", "pp", "adaptive", "kernels", "memory", "speedup")
+BENCHMARKS = ("drift", "draft_optimizer", "cp", "pp", "adaptive", "kernels", "memory", "speedup", "cotraining_cost")
 ERROR_FILE_ENV = "SPECTRAIN_ERROR_FILE"  # set for the ranks by a relaunching `spectrain fit`: they report to it
 
 

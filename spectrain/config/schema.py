@@ -149,6 +149,10 @@ class DraftConfig:
     warmup_lr: float = 3e-3  # the offline warm-up's
     grad_clip: float = 1.0
     every_n_steps: int = 1
+    # > 0: skip a step's update while the last rollout's acceptance gain (length - 1) is within this fraction of
+    # the best of the recent rollouts (the draft holds); at most `max_held_steps` steps in a row go without one
+    hold_tolerance: float = 0.0
+    max_held_steps: int = 4
     pass_decay: float = 0.8
     # the draft's lm_head + soft CE: auto (triton on CUDA, else torch) | torch | chunked | triton
     loss_kernel: str = "auto"

@@ -72,6 +72,7 @@ _AT_LEAST_ONE = (
     "policy.num_key_value_heads", "policy.max_position_embeddings", "task.digits", "sft.batch_size",
     "rollout.prompts_per_step", "rollout.max_new_tokens", "rollout.max_model_len", "rollout.eval_prompts",
     "grpo.minibatches", "grpo.epochs", "draft.num_speculative_tokens", "draft.ttt_passes", "draft.every_n_steps",
+    "draft.max_held_steps",
     "parallel.dp", "parallel.cp", "parallel.pp", "parallel.microbatches", "speculation.bandit.window",
     "speculation.bandit.min_plays", "speculation.long_tail.threshold", "trainer.log_every_n_steps",
     "trainer.checkpoint_every_n_steps", "trainer.log_samples_n", "speculation.measure_speedup_prompts",
@@ -256,6 +257,9 @@ def _check_draft(c: SpecTrainConfig) -> None:
     _require(d.draft_vocab_size is None or d.draft_vocab_size >= 2, "draft.draft_vocab_size",
              f"is {d.draft_vocab_size}; the stop token always takes one of its ids, so the draft could propose "
              f"nothing else: give >= 2 (e.g. 32000), or null for the policy's vocabulary")
+    _require(0 <= d.hold_tolerance < 1, "draft.hold_tolerance",
+             f"is {d.hold_tolerance}; it must be in [0, 1): 0 updates the draft every draft.every_n_steps steps, "
+             f"e.g. 0.05 skips updates while acceptance stays within 5% of its recent best")
     if c.policy.path is not None:
         return  # the layer count comes from the checkpoint: checked when the draft is built
     _require(0 < d.pass_decay <= 1, "draft.pass_decay", f"is {d.pass_decay}; it must be in (0, 1]")

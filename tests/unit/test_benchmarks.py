@@ -350,3 +350,59 @@ def test_bench_speedup_end_to_end_writes_the_report(tmp_path):
     assert data["summary"]["modes"]["cotrained"]["acceptance_length"]["median"] > 1
     assert all(r["speed"]["rollout_tokens_per_s"] > 0 for runs in data["runs"].values() for r in runs)
     assert (out / "speedup.png").is_file() and "e2e_cotrained_over_none" in (out / "speedup.md").read_text()
+
+
+# bench cotraining_cost -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, message", [
+    (("variants=every_step,turbo",), "bench cotraining_cost: variants='every_step,turbo': unknown turbo; choose from "
+                                     "none, frozen, every_step"),
+    (("steps=2",), "bench cotraining_cost: steps=2 rounds=2: give steps >= 3"),
+    (("tiny_cpu", "draft.hold_tolerance=1.5"), "bench cotraining_cost: draft.hold_tolerance: is 1.5; it must be in"),
+])
+def test_cotraining_cost_refuses_bad_options_before_any_run(capsys, args, message):
+    code, err = _bench(capsys, "cotraining_cost", *args)
+    assert code == 2 and err.startswith(f"error: {message}"), err
+
+
+def test_cotraining_cost_counts_steps_without_an_update_in_the_draft_share():
+    from benchmarks.cotraining_cost import markdown, summarise
+
+    def run(step_seconds, draft_seconds, acceptance):
+        n = len(step_seconds)
+        return {"per_step": {"step": list(range(1, n + 1)), "reward": [0.5] * n, "time/step": step_seconds,
+                             "draft/seconds": draft_seconds,
+                             "draft/updated": [0.0 if math.isnan(d) else 1.0 for d in draft_seconds],
+                             "spec/mean_acceptance_length": acceptance}}
+
+    nan = math.nan
+    runs = {"none": [run([9.0, 2.0, 2.0, 2.0, 2.0], [nan] * 5, [nan] * 5)],
+            "every_step": [run([9.0, 4.0, 4.0, 4.0, 4.0], [1.0] * 5, [3.0, 3.0, 3.0, 3.5, 3.5])],
+            "every_2": [run([9.0, 4.0, 2.0, 4.0, 2.0], [1.0, 2.0, nan, 2.0, nan], [3.0, 3.0, 3.0, 3.0, 2.0])]}
+    s = summarise(runs)["variants"]
+    assert s["every_step"]["draft_share"]["median"] == pytest.approx(0.25)  # timed steps: 4 s of 16 s
+    assert s["every_2"]["draft_share"]["median"] == pytest.approx(4.0 / 12.0)  # no-update steps count as 0 s
+    assert s["every_2"]["updates_per_step"]["median"] == 0.5
+    assert s["every_step"]["late_acceptance_length"]["median"] == 3.5  # the timed steps' second half
+    assert s["every_2"]["speed_over_every_step"]["runs"] == [4.0 / 3.0]  # step means 3 s against 4 s
+    assert s["every_step"]["speed_over_none"]["runs"] == [0.5] and "acceptance_length" not in s["none"]
+    text = markdown({"summary": {"rounds": 1, "variants": s}, "options": {"recipe": "tiny_cpu", "steps": 5},
+                     "command": "c", "machine": "m"})
+    assert "| every_2 | `draft.mode=cotrained draft.every_n_steps=2` | 3.00 (3.00..3.00) | 33 (33..33)% |" in text
+    assert "**0.50x** (2.00x slower; 0.50..0.50)" in text
+
+
+@pytest.mark.slow
+def test_bench_cotraining_cost_end_to_end_writes_the_report(tmp_path):
+    """One round of none, every-step and held co-training, tiny: the report holds each variant's cost."""
+    from tests.helpers import TINY
+
+    out, work = tmp_path / "out", tmp_path / "work"
+    assert cli.main(["bench", "cotraining_cost", "tiny_cpu", "steps=3", "rounds=1", "variants=none,every_step,hold",
+                     f"out={out}", f"work={work}", *TINY]) == 0
+    data = json.loads((out / "cotraining_cost.json").read_text())
+    v = data["summary"]["variants"]
+    assert v["every_step"]["updates_per_step"]["median"] == 1.0 and 0 < v["every_step"]["draft_share"]["median"] < 1
+    assert 0 <= v["hold"]["updates_per_step"]["median"] <= 1 and v["none"]["draft_share"]["median"] == 0
+    assert v["every_step"]["acceptance_length"]["median"] > 1
+    assert (out / "cotraining_cost.png").is_file() and "| hold |" in (out / "cotraining_cost.md").read_text()

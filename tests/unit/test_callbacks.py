@@ -39,7 +39,7 @@ def module_with_draft_inputs():
                                  Completion(0, [1, 4], [3, 3, 2], [0.0] * 3, True)], torch.tensor([1.0, -1.0]))
     out = policy(batch.input_ids, batch.position_ids, batch.cu_seqlens, tap_layers=draft.cfg.tap_layers)
     inputs = [draft_inputs_from(out, batch, policy.attention_ops, None, ttt_valid_tokens(batch))]
-    return Module(draft=draft, draft_inputs=inputs, plan=LocalPlan(), logged={})
+    return Module(draft=draft, draft_inputs=inputs, plan=LocalPlan(), logged={}, rollout_stats=stats(10, 25))
 
 
 def fitted(callback: DraftCoTraining, module) -> DraftCoTraining:
@@ -93,6 +93,24 @@ def test_every_n_steps():
     assert callback.steps_trained == 2  # steps 1 and 3
     # the step in between logs NaN: a missing value would make Lightning repeat step 1's
     assert math.isfinite(losses[0]) and math.isnan(losses[1]) and math.isfinite(losses[2])
+
+
+def test_hold_skips_updates_while_acceptance_holds_and_resumes_them_when_it_drops():
+    module = module_with_draft_inputs()
+    callback = fitted(DraftCoTraining(ttt_passes=1, hold_tolerance=0.1, max_held_steps=3), module)
+    updated = []
+    for step, accepted in enumerate([25, 25, 24, 25, 25, 25, 25, 15, 15], start=1):  # gains 2.5 ... 1.5
+        module.rollout_stats = stats(10, accepted)  # what the step's rollout (before its update) measured
+        run_step(callback, module, step)
+        updated.append(module.logged["draft/updated"])
+    # steps 1-2: too little history; 3-5: 2.5 and 2.4 hold (>= 0.9 x 2.5); 6: max_held_steps=3 forces one;
+    # 7-8 hold; 9: the previous rollout's gain 1.5 < 0.9 x 2.5 brings the update back
+    assert updated == [1, 1, 0, 0, 0, 1, 0, 0, 1]
+    assert callback.steps_trained == 4 and math.isnan(module.logged["draft/loss"]) is False
+    resumed = DraftCoTraining(ttt_passes=1, hold_tolerance=0.1, max_held_steps=3)
+    resumed.load_state_dict(callback.state_dict())
+    assert (resumed.recent_gains, resumed.steps_without_update) == (callback.recent_gains, 0)
+    assert DraftCoTraining(ttt_passes=1).draft_holds() is False  # hold_tolerance=0: never
 
 
 def same_optimizer_state(a: dict, b: dict) -> bool:
