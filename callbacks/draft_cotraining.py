@@ -149,12 +149,14 @@ class DraftCoTraining(Callback):
         return trainer.global_step % self.every_n_steps == 0 and not self.draft_holds()
 
     def draft_holds(self) -> bool:
-        """The last rollout's acceptance gain is within `hold_tolerance` of the best before it, and the draft has
-        not gone `max_held_steps` steps without an update."""
+        """The last rollout's acceptance gain is within `hold_tolerance` of the recent mean, above or below it (a
+        falling draft needs updates, and so does a climbing one: a cold draft learning a shifted task), and the
+        draft has not gone `max_held_steps` steps without an update."""
         if not self.hold_tolerance or self.steps_without_update >= self.max_held_steps or len(self.recent_gains) < 2:
             return False
         *earlier, last = self.recent_gains
-        return last >= (1 - self.hold_tolerance) * max(earlier)
+        recent = sum(earlier) / len(earlier)
+        return abs(last - recent) <= self.hold_tolerance * recent
 
     def observe_acceptance(self, spec) -> None:
         """Keep the rollout's acceptance gain (`spec`: its `SpecStats`) for the hold decision; nothing if it drafted

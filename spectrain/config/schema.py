@@ -150,7 +150,7 @@ class DraftConfig:
     grad_clip: float = 1.0
     every_n_steps: int = 1
     # > 0: skip a step's update while the last rollout's acceptance gain (length - 1) is within this fraction of
-    # the best of the recent rollouts (the draft holds); at most `max_held_steps` steps in a row go without one
+    # the recent rollouts' mean, above or below (acceptance is flat); at most `max_held_steps` steps in a row skip
     hold_tolerance: float = 0.0
     max_held_steps: int = 4
     pass_decay: float = 0.8

@@ -95,7 +95,7 @@ def test_every_n_steps():
     assert math.isfinite(losses[0]) and math.isnan(losses[1]) and math.isfinite(losses[2])
 
 
-def test_hold_skips_updates_while_acceptance_holds_and_resumes_them_when_it_drops():
+def test_hold_skips_updates_while_acceptance_is_flat_and_resumes_them_when_it_drops_or_climbs():
     module = module_with_draft_inputs()
     callback = fitted(DraftCoTraining(ttt_passes=1, hold_tolerance=0.1, max_held_steps=3), module)
     updated = []
@@ -103,14 +103,20 @@ def test_hold_skips_updates_while_acceptance_holds_and_resumes_them_when_it_drop
         module.rollout_stats = stats(10, accepted)  # what the step's rollout (before its update) measured
         run_step(callback, module, step)
         updated.append(module.logged["draft/updated"])
-    # steps 1-2: too little history; 3-5: 2.5 and 2.4 hold (>= 0.9 x 2.5); 6: max_held_steps=3 forces one;
-    # 7-8 hold; 9: the previous rollout's gain 1.5 < 0.9 x 2.5 brings the update back
+    # steps 1-2: too little history; 3-5: 2.5 and 2.4 hold (within 0.1 x the mean 2.5); 6: max_held_steps=3
+    # forces one; 7-8 hold; 9: the previous rollout's gain 1.5, far under the mean, brings the update back
     assert updated == [1, 1, 0, 0, 0, 1, 0, 0, 1]
     assert callback.steps_trained == 4 and math.isnan(module.logged["draft/loss"]) is False
     resumed = DraftCoTraining(ttt_passes=1, hold_tolerance=0.1, max_held_steps=3)
     resumed.load_state_dict(callback.state_dict())
     assert (resumed.recent_gains, resumed.steps_without_update) == (callback.recent_gains, 0)
     assert DraftCoTraining(ttt_passes=1).draft_holds() is False  # hold_tolerance=0: never
+
+    climbing = DraftCoTraining(ttt_passes=1, hold_tolerance=0.1)  # a cold draft learning: every step a new best
+    climbing.recent_gains = [1.0, 1.2, 1.4, 1.6]
+    assert climbing.draft_holds() is False
+    climbing.recent_gains = [1.6, 1.62, 1.58, 1.61]  # flat again
+    assert climbing.draft_holds() is True
 
 
 def same_optimizer_state(a: dict, b: dict) -> bool:
