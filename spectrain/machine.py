@@ -11,12 +11,13 @@ from spectrain.errors import ConfigError
 
 
 def machine_label() -> str:
-    """CPU model, core count, torch threads and torch version."""
+    """CPU model, core count, torch threads, torch version, and whether Intel OpenMP is preloaded."""
     cpuinfo = Path("/proc/cpuinfo")
     names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
              if line.startswith("model name")] if cpuinfo.is_file() else []
     cpu = names[0] if names else platform.processor() or platform.machine()
-    return f"{cpu}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+    runtime = ", Intel OpenMP preloaded" if "libiomp5" in os.environ.get("LD_PRELOAD", "") else ""
+    return f"{cpu}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, torch {torch.__version__}{runtime}"
 
 
 def resolve_device(accelerator: str) -> torch.device:

@@ -1,5 +1,6 @@
 """What several test files share: the shrunken recipe, metric readers, a tiny policy, dense attention references."""
 import csv
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -21,6 +22,25 @@ def metrics(run_dir):
         with open(path) as f:
             rows += list(csv.DictReader(f))
     return rows
+
+
+# wall-clock columns differ between any two runs; everything else must be identical
+TIMING = ("time/", "rollout/seconds", "rollout/tokens_per_s", "draft/seconds", "spot/seconds")
+
+
+def logged_steps(run_dir: Path) -> dict[int, dict[str, str]]:
+    """Every logged value by step over all log segments; a value logged twice for a step fails."""
+    steps: dict[int, dict[str, str]] = {}
+    for path in sorted((run_dir / "logs").glob("version_*/metrics.csv")):
+        with open(path) as f:
+            for row in csv.DictReader(f):
+                merged = steps.setdefault(int(row["step"]), {})
+                for key, value in row.items():
+                    if value == "" or key == "step" or key.startswith(TIMING):
+                        continue
+                    assert key not in merged, f"{key} logged twice for step {row['step']} in {run_dir}"
+                    merged[key] = value
+    return steps
 
 
 def column(rows: list[dict], key: str) -> list[float]:

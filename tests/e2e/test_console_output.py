@@ -1,30 +1,37 @@
 """`spectrain fit` as a user sees it in a log (not a terminal): spectrain's lines and one line per step; vLLM's,
-Lightning's and torch's start-up noise only with `--verbose`."""
+Lightning's and torch's start-up noise only with `--verbose`; the CPU runtime it preloads changes no value."""
 import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.helpers import TINY
+from tests.helpers import TINY, logged_steps
 
 pytestmark = pytest.mark.slow
 NOISE = ("WARNING", "GPU available", "TPU available", "Tip:", "Epoch 0", "v_num", "FutureWarning",
          "Loading safetensors")
 
 
-def fit_output(run_dir, *extra: str) -> str:
+def fit_output(run_dir, *extra: str, env_extra: dict | None = None) -> str:
     overrides = [o for o in TINY if o != "trainer.progress_bar=false"]  # the default: progress on
     command = [sys.executable, "-m", "spectrain", "fit", "tiny_cpu", f"trainer.run_dir={run_dir}", *overrides,
                "trainer.max_steps=2", "trainer.eval_every_n_steps=0", *extra]
-    env = {k: v for k, v in os.environ.items() if k not in ("SPECTRAIN_VERBOSE", "VLLM_LOGGING_LEVEL")}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SPECTRAIN_VERBOSE", "VLLM_LOGGING_LEVEL", "LD_PRELOAD", "SPECTRAIN_CPU_PRELOAD")}
+    done = subprocess.run(command, capture_output=True, text=True, env={**env, **(env_extra or {})}, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout + done.stderr
 
 
-def test_a_log_shows_spectrain_lines_and_one_line_per_step(tmp_path):
-    out = fit_output(tmp_path / "run")
+@pytest.fixture(scope="module")
+def quiet_fit(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("quiet") / "run"
+    return run_dir, fit_output(run_dir)
+
+
+def test_a_log_shows_spectrain_lines_and_one_line_per_step(quiet_fit):
+    _, out = quiet_fit
     lines = out.splitlines()
     assert [line.split("  ")[0] for line in lines if line.startswith("step ")] == ["step 1/2", "step 2/2"]
     assert sum("[spectrain] vLLM runs on CPU" in line for line in lines) == 1
@@ -36,3 +43,12 @@ def test_a_log_shows_spectrain_lines_and_one_line_per_step(tmp_path):
 def test_verbose_shows_what_the_quiet_console_hides(tmp_path):
     out = fit_output(tmp_path / "run", "--verbose")
     assert "WARNING" in out and "GPU available" in out and "[spectrain] vLLM runs on CPU" not in out
+
+
+def test_the_preloaded_intel_openmp_changes_no_logged_value(quiet_fit, tmp_path):
+    run_dir, out = quiet_fit
+    assert "[spectrain] vLLM runs on CPU (libiomp5.so preloaded as vLLM's CPU guide asks" in out, out[-3000:]
+    plain = fit_output(tmp_path / "plain", env_extra={"SPECTRAIN_CPU_PRELOAD": "0"})
+    assert "preloaded as vLLM's CPU guide asks" not in plain
+    preloaded, gnu_openmp = logged_steps(run_dir), logged_steps(tmp_path / "plain")
+    assert len(preloaded) >= 2 and preloaded == gnu_openmp  # rewards, losses, acceptance: bit for bit

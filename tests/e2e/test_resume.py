@@ -2,7 +2,6 @@
 
 Real processes (the `spectrain` CLI in a subprocess), real vLLM, real signals.
 """
-import csv
 import os
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.faults import KILL_ENV
+from tests.helpers import logged_steps
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -19,8 +19,6 @@ ARGS = ["sft.steps=20", "sft.batch_size=16", "draft.warmup_steps=10", "rollout.p
         "rollout.group_size=4", "rollout.eval_prompts=4", "rollout.eval_samples=2", "trainer.eval_every_n_steps=2",
         "trainer.progress_bar=false", "trainer.checkpoint_every_n_steps=2", "grpo.minibatches=2",
         "trainer.max_steps=4", "trainer.callbacks=[{target: tests.faults.SignalAtStep}]"]
-# wall-clock columns differ between any two runs; everything else must be identical
-TIMING = ("time/", "rollout/seconds", "rollout/tokens_per_s", "draft/seconds", "spot/seconds")
 
 
 def fit(run_dir: Path, warmstart: Path, signal_at: str | None = None) -> subprocess.CompletedProcess:
@@ -31,21 +29,6 @@ def fit(run_dir: Path, warmstart: Path, signal_at: str | None = None) -> subproc
     return subprocess.run([sys.executable, "-m", "spectrain.cli", "fit", "tiny_cpu", f"trainer.run_dir={run_dir}",
                            f"trainer.warmstart_dir={warmstart}", *ARGS], env=env, cwd=REPO, capture_output=True,
                           text=True, timeout=600)
-
-
-def logged_steps(run_dir: Path) -> dict[int, dict[str, str]]:
-    """Every logged value by step over all log segments; a value logged twice for a step fails."""
-    steps: dict[int, dict[str, str]] = {}
-    for path in sorted((run_dir / "logs").glob("version_*/metrics.csv")):
-        with open(path) as f:
-            for row in csv.DictReader(f):
-                merged = steps.setdefault(int(row["step"]), {})
-                for key, value in row.items():
-                    if value == "" or key == "step" or key.startswith(TIMING):
-                        continue
-                    assert key not in merged, f"{key} logged twice for step {row['step']} in {run_dir}"
-                    merged[key] = value
-    return steps
 
 
 def weights(run_dir: Path) -> dict:

