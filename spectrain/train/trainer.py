@@ -179,7 +179,8 @@ class SpecTrainer:
                                  spec_schedule=engine_spec_schedule(self.config), max_model_len=r.max_model_len,
                                  kv_cache_gib=r.kv_cache_gib, seed=self.config.trainer.seed, dtype=dtype,
                                  gpu_memory_utilization=r.gpu_memory_utilization,
-                                 tensor_parallel_size=r.tensor_parallel_size, vllm_kwargs=dict(r.vllm_kwargs))
+                                 tensor_parallel_size=r.tensor_parallel_size, enforce_eager=r.enforce_eager,
+                                 enable_prefix_caching=r.enable_prefix_caching, vllm_kwargs=dict(r.vllm_kwargs))
 
     def build_strategy(self):
         """The multi-process strategy (process group, mesh, plan) when the run spans processes, else None."""

@@ -74,3 +74,31 @@ def test_missing_policy_dir_is_a_clear_error(tmp_path):
 def test_engine_start_failure_says_how_to_fix(tiny_policy_dir):
     with pytest.raises(RolloutEngineError, match="max_model_len"):
         VLLMRolloutEngine(tiny_policy_dir, max_model_len=100000)
+
+
+@pytest.mark.slow
+def test_prefix_cache_is_reset_by_a_sync_so_no_old_kv_is_served(tiny_policy_dir, monkeypatch):
+    """Prompts longer than a KV block are cached; after a sync the engine serves the new weights, and the same check
+    fails when the reset is skipped, so the cache was in use."""
+    tok = CharTokenizer()
+    shared = "1234+5678+9012+3456+7890+" * 3 + "1="  # 77 tokens: two full 32-token blocks cached
+    prompts = [tok.encode(shared), tok.encode(shared[:-1] + "1=")]
+    engine = VLLMRolloutEngine(tiny_policy_dir, max_model_len=128, kv_cache_gib=1, enable_prefix_caching=True,
+                               vllm_kwargs={"block_size": 32})
+    try:
+        model = tiny_policy()
+        assert_engine_serves(engine, model, prompts)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        engine.sync_policy(model.state_dict().items(), version=1)
+        assert_engine_serves(engine, model, prompts)
+        monkeypatch.setattr(engine, "_forget_old_kv", lambda: None)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        engine.sync_policy(model.state_dict().items(), version=2)
+        with pytest.raises(AssertionError):  # stale prompt KV from version 1
+            assert_engine_serves(engine, model, prompts)
+    finally:
+        engine.shutdown()

@@ -116,6 +116,8 @@ class VLLMRolloutEngine:
         num_speculative_tokens: tokens the draft proposes per step.
         spec_schedule: optional vLLM `num_speculative_tokens_per_batch_size` ranges.
         gpu_memory_utilization, tensor_parallel_size: vLLM's, used on CUDA (on CPU the KV cache is `kv_cache_gib`).
+        enforce_eager: no CUDA graphs; None: eager on CPU only.
+        enable_prefix_caching: reuse a shared prompt's KV (reset after every weight sync); None: on with CUDA only.
         vllm_kwargs: more `vllm.LLM` arguments (not the ones set here).
     """
 
@@ -131,9 +133,13 @@ class VLLMRolloutEngine:
         dtype: str = "float32",
         gpu_memory_utilization: float = 0.6,
         tensor_parallel_size: int = 1,
+        enforce_eager: bool | None = None,
+        enable_prefix_caching: bool | None = None,
         vllm_kwargs: dict | None = None,
     ) -> None:
         kv_bytes = _prepare_environment(kv_cache_gib)
+        on_cuda = _on_cuda()
+        self.prefix_caching = on_cuda if enable_prefix_caching is None else enable_prefix_caching
         self.policy_dir, self.draft_dir = Path(policy_dir), (Path(draft_dir) if draft_dir else None)
         self.max_model_len = max_model_len
         self.num_speculative_tokens = num_speculative_tokens if draft_dir else 0
@@ -141,8 +147,9 @@ class VLLMRolloutEngine:
         self.draft_version = 0
         self.speculation_disabled = False
         kwargs = dict(model=str(policy_dir), dtype=dtype, max_model_len=max_model_len, seed=seed,
-                      enforce_eager=True, enable_prefix_caching=False, disable_log_stats=False)
-        if _on_cuda():  # vLLM sizes the KV cache from its share of the GPU
+                      enforce_eager=not on_cuda if enforce_eager is None else enforce_eager,
+                      enable_prefix_caching=self.prefix_caching, disable_log_stats=False)
+        if on_cuda:  # vLLM sizes the KV cache from its share of the GPU
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size)
         else:
             kwargs.update(kv_cache_memory_bytes=kv_bytes)
@@ -298,6 +305,7 @@ class VLLMRolloutEngine:
     # weight sync ----------------------------------------------------------------------
     def sync_policy(self, weights: NamedTensors, version: int) -> None:
         compat.reload_policy(self.llm, [(name, t.detach().clone()) for name, t in weights])
+        self._forget_old_kv()
         self.policy_version = version
 
     def sync_draft(self, weights: NamedTensors, version: int) -> None:
@@ -305,7 +313,14 @@ class VLLMRolloutEngine:
             raise RolloutEngineError("sync_draft called on an engine started without a draft (draft.mode=none)")
         # copies: vLLM may alias a draft lm_head that equals the target's
         compat.reload_drafter(self.llm, [(name, t.detach().clone()) for name, t in weights])
+        self._forget_old_kv()
         self.draft_version = version
+
+    def _forget_old_kv(self) -> None:
+        """Cached prefix KV was computed by the weights just replaced: reusing it would serve the old policy."""
+        if self.prefix_caching and not self.llm.reset_prefix_cache():
+            raise RolloutEngineError("vLLM could not reset its prefix cache after a weight sync (requests still "
+                                     "running?); set rollout.enable_prefix_caching=false to run without it")
 
     def verify_weights(self, weights: NamedTensors, which: str, rtol: float) -> ProbeResult:
         """Whether the target (`which="policy"`) or the drafter serves `weights` (checkpoint names).
