@@ -20,6 +20,7 @@ from pathlib import Path
 from spectrain import console
 from spectrain.config import DEFAULT_RECIPE, load_config, packaged_recipe_dir, to_yaml
 from spectrain.errors import ConfigError, InputWarning, SpecTrainError
+from spectrain.parallel.slurm import adopt_slurm_environment
 
 BENCHMARKS = ("drift", "draft_optimizer", "cp", "pp", "adaptive", "kernels", "memory", "speedup", "cotraining_cost")
 ERROR_FILE_ENV = "SPECTRAIN_ERROR_FILE"  # set for the ranks by a relaunching `spectrain fit`: they report to it
@@ -66,6 +67,7 @@ def _recipes(args) -> int:
 def _fit(args) -> int:
     from spectrain.train.trainer import SpecTrainer
 
+    adopt_slurm_environment()  # under srun every task is a rank already (RANK from here on): nothing to relaunch
     if args.recipe is None:  # a bare `spectrain fit`: say what it runs
         args.recipe = DEFAULT_RECIPE
         if ERROR_FILE_ENV not in os.environ and _rank() == 0:

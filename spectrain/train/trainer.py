@@ -30,6 +30,7 @@ from spectrain.models.hf_io import save_pretrained
 from spectrain.models.llama import LlamaForCausalLM
 from spectrain.parallel.fsdp import unsharded_copy
 from spectrain.parallel.mesh import world_size
+from spectrain.parallel.slurm import adopt_slurm_environment
 from spectrain.rollout.engine import RolloutEngine
 from spectrain.tasks.rewards import RewardInput
 from spectrain.train import inputs
@@ -185,6 +186,7 @@ class SpecTrainer:
     def build_strategy(self):
         """The multi-process strategy (process group, mesh, plan) when the run spans processes, else None."""
         p = self.config.parallel
+        adopt_slurm_environment()  # a run under srun reads its ranks as under torchrun
         if world_size() == 1 and p.pp * p.dp * p.cp == 1:
             return None
         from spectrain.parallel.strategy import SpecParallelStrategy

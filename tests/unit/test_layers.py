@@ -14,7 +14,8 @@ PACKAGE_ROOTS = {"spectrain": REPO / "spectrain", "spectrain.callbacks": REPO / 
                  "spectrain.kernels": REPO / "kernels"}
 # Each entry: module-name prefixes of one layer, lowest first.
 LAYERS = [
-    ("spectrain.errors", "spectrain.internals", "spectrain.plots", "spectrain.machine", "spectrain.console"),
+    ("spectrain.errors", "spectrain.internals", "spectrain.plots", "spectrain.machine", "spectrain.console",
+     "spectrain.cpu_runtime"),
     ("spectrain.tasks",),
     ("spectrain.config",),
     ("spectrain.ops", "spectrain.kernels"),

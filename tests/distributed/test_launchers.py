@@ -1,0 +1,83 @@
+"""`spectrain fit` on ranks that other launchers started: a multi-node torchrun rendezvous and SLURM's `srun`.
+
+Two "nodes" on this machine, one rank each, at dp=2: both launchers run the same training, so every logged value
+matches between them.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from spectrain.errors import ConfigError
+from spectrain.parallel.slurm import adopt_slurm_environment
+from spectrain.parallel.spawn import free_port
+from tests.helpers import TINY, logged_steps
+
+FIT = ["fit", "tiny_cpu", *TINY, "parallel.dp=2", "trainer.max_steps=2", "trainer.eval_every_n_steps=0"]
+ADOPTED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+           "TORCHELASTIC_RUN_ID")  # torchrun's variables, as adopt_slurm_environment writes them
+SLURM_JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "spectrain", "SLURM_NTASKS": "2",
+             "SLURM_NTASKS_PER_NODE": "1", "SLURM_NNODES": "2", "SLURM_NODELIST": "localhost"}
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without any launcher's variables, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if k not in ADOPTED and not k.startswith("SLURM_")}
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
+def _wait_all(processes: list[subprocess.Popen], timeout: float = 900) -> None:
+    outputs = [p.communicate(timeout=timeout)[0] for p in processes]
+    for node, (p, out) in enumerate(zip(processes, outputs)):
+        assert p.returncode == 0, f"node {node} exited {p.returncode}:\n{out[-4000:]}"
+
+
+def _fit_on_two_nodes(run_dir, command_for_node, env_for_node) -> None:
+    _wait_all([subprocess.Popen(command_for_node(node), env=env_for_node(node), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True) for node in (0, 1)])
+    assert (run_dir / "spectrain_run.json").is_file() and (run_dir / "checkpoints/last.ckpt").is_file()
+
+
+@pytest.mark.slow
+def test_a_multi_node_torchrun_and_srun_run_the_same_training(tmp_path):
+    port = free_port()
+    torchrun_dir, srun_dir = tmp_path / "torchrun", tmp_path / "srun"
+    _fit_on_two_nodes(
+        torchrun_dir,
+        lambda node: [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                      f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}",
+                      "-m", "spectrain.cli", *FIT, f"trainer.run_dir={torchrun_dir}"],
+        lambda node: _clean_env())
+    port = free_port()
+    _fit_on_two_nodes(
+        srun_dir,
+        lambda node: [sys.executable, "-m", "spectrain.cli", *FIT, f"trainer.run_dir={srun_dir}"],
+        lambda node: _clean_env(**SLURM_JOB, SLURM_PROCID=str(node), SLURM_LOCALID="0", SLURM_NODEID=str(node),
+                                MASTER_PORT=str(port)))
+    by_torchrun, by_srun = logged_steps(torchrun_dir), logged_steps(srun_dir)
+    assert sorted(by_torchrun) == [1, 2] and "reward" in by_torchrun[2] and "draft/loss" in by_torchrun[2]
+    assert by_srun == by_torchrun
+
+
+def test_srun_variables_become_torchruns(monkeypatch):
+    for key in ADOPTED:  # set, then removed: monkeypatch restores what adopt_slurm_environment writes
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    for key, value in {**SLURM_JOB, "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NODELIST": "gpu[07-08]",
+                       "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NODEID": "1"}.items():
+        monkeypatch.setenv(key, value)
+    assert adopt_slurm_environment()
+    assert {k: os.environ[k] for k in ADOPTED} == {
+        "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
+        "MASTER_ADDR": "gpu07", "MASTER_PORT": "19242", "TORCHELASTIC_RUN_ID": "slurm-4242"}
+    assert not adopt_slurm_environment()  # once adopted, it is a torchrun-style run
+
+
+def test_uneven_srun_tasks_are_refused(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    for key, value in {**SLURM_JOB, "SLURM_NTASKS": "3", "SLURM_NTASKS_PER_NODE": "2", "SLURM_PROCID": "0",
+                       "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError, match="not a multiple of --ntasks-per-node=2"):
+        adopt_slurm_environment()
