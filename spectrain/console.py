@@ -58,7 +58,8 @@ def explain_cpu_engine() -> None:
                    if lib not in preloaded]
         lacking = [f"{' and '.join(lacking)} preloaded", "Triton"] if lacking else ["Triton"]
         note = cpu_runtime.preloaded_note()
-        print(f"[spectrain] vLLM runs on CPU{f' ({note})' if note else ''}: without {' and without '.join(lacking)} "
+        preamble = f"vLLM runs on CPU with {note};" if note else "vLLM runs on CPU:"
+        print(f"[spectrain] {preamble} without {' and without '.join(lacking)} "
               f"it is slower than a tuned CPU install, not wrong (spectrain --verbose shows vLLM's own warnings)",
               file=sys.stderr, flush=True)
 

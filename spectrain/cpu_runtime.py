@@ -66,4 +66,6 @@ def _vllm_is_cpu_build() -> bool:
 def preloaded_note() -> str | None:
     """What the restart preloaded, for the console's one line about vLLM on CPU."""
     names = os.environ.get(PRELOADED_ENV)
-    return f"{names.replace(':', ' and ')} preloaded as vLLM's CPU guide asks ({DISABLE_ENV}=0: off)" if names else None
+    if not names:
+        return None
+    return f"{names.replace(':', ' and ')} preloaded, as vLLM's CPU guide asks ({DISABLE_ENV}=0 turns it off)"

@@ -47,8 +47,8 @@ def test_verbose_shows_what_the_quiet_console_hides(tmp_path):
 
 def test_the_preloaded_intel_openmp_changes_no_logged_value(quiet_fit, tmp_path):
     run_dir, out = quiet_fit
-    assert "[spectrain] vLLM runs on CPU (libiomp5.so preloaded as vLLM's CPU guide asks" in out, out[-3000:]
+    assert "[spectrain] vLLM runs on CPU with libiomp5.so preloaded, as vLLM's CPU guide asks" in out, out[-3000:]
     plain = fit_output(tmp_path / "plain", env_extra={"SPECTRAIN_CPU_PRELOAD": "0"})
-    assert "preloaded as vLLM's CPU guide asks" not in plain
+    assert "preloaded, as vLLM's CPU guide asks" not in plain
     preloaded, gnu_openmp = logged_steps(run_dir), logged_steps(tmp_path / "plain")
     assert len(preloaded) >= 2 and preloaded == gnu_openmp  # rewards, losses, acceptance: bit for bit

@@ -43,7 +43,7 @@ def test_the_restart_keeps_the_arguments_and_the_users_preloads(prefix, monkeypa
                                               "trainer.max_steps=2"]
     assert env["LD_PRELOAD"] == f"{prefix}/lib/libiomp5.so:/x/libfoo.so"
     monkeypatch.setenv("SPECTRAIN_CPU_PRELOADED", env["SPECTRAIN_CPU_PRELOADED"])
-    note = "libiomp5.so preloaded as vLLM's CPU guide asks (SPECTRAIN_CPU_PRELOAD=0: off)"
+    note = "libiomp5.so preloaded, as vLLM's CPU guide asks (SPECTRAIN_CPU_PRELOAD=0 turns it off)"
     assert cpu_runtime.preloaded_note() == note
     cpu_runtime.preload_and_restart(["fit"])  # the restarted process goes on
     assert len(restarted) == 1
