@@ -22,7 +22,8 @@ from spectrain.config import DEFAULT_RECIPE, load_config, packaged_recipe_dir, t
 from spectrain.errors import ConfigError, InputWarning, SpecTrainError
 from spectrain.parallel.slurm import adopt_slurm_environment
 
-BENCHMARKS = ("drift", "draft_optimizer", "cp", "pp", "adaptive", "kernels", "memory", "speedup", "cotraining_cost")
+BENCHMARKS = ("drift", "draft_optimizer", "cp", "pp", "adaptive", "kernels", "memory", "speedup", "cotraining_cost",
+              "regime")
 ERROR_FILE_ENV = "SPECTRAIN_ERROR_FILE"  # set for the ranks by a relaunching `spectrain fit`: they report to it
 
 

@@ -406,3 +406,29 @@ def test_bench_cotraining_cost_end_to_end_writes_the_report(tmp_path):
     assert 0 <= v["hold"]["updates_per_step"]["median"] <= 1 and v["none"]["draft_share"]["median"] == 0
     assert v["every_step"]["acceptance_length"]["median"] > 1
     assert (out / "cotraining_cost.png").is_file() and "| hold |" in (out / "cotraining_cost.md").read_text()
+
+
+# bench regime ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, message", [
+    (("sizes=4x100",), "bench regime: sizes: '4x100' is not LAYERSxHIDDEN with HIDDEN a multiple of 64"),
+    (("k=0",), "bench regime: k=0: it must be >= 1"),
+    (("dtype=float16",), "bench regime: dtype=float16: use one of"),
+])
+def test_regime_refuses_bad_options_before_any_work(capsys, args, message):
+    code, err = _bench(capsys, "regime", *args)
+    assert code == 2 and err.startswith(f"error: {message}"), err
+
+
+@pytest.mark.slow
+def test_bench_regime_decodes_at_full_agreement_and_writes_the_map(tmp_path):
+    """The always-agreeing target and draft reach acceptance k+1 in real vLLM; the report has every cell."""
+    out = tmp_path / "out"
+    assert cli.main(["bench", "regime", "sizes=4x128", "concurrency=1,2", "new_tokens=16", "repeats=1",
+                     f"out={out}", f"work={tmp_path / 'work'}"]) == 0
+    data = json.loads((out / "regime.json").read_text())
+    [size] = data["sizes"]
+    assert [p["concurrency"] for p in size["points"]] == [1, 2]
+    for p in size["points"]:
+        assert p["acceptance_length"] > 3.9 and p["speedup"]["median"] > 0  # measured 4.00: nothing rejected
+    assert "| 4 x 128 |" in (out / "regime.md").read_text() and (out / "regime.png").is_file()
