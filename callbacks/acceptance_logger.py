@@ -15,7 +15,8 @@ class AcceptanceLengthLogger(HistoryCallback):
 
     Metrics: `spec/mean_acceptance_length` (1 + accepted/drafts: tokens per target forward),
     `spec/acceptance_rate` (accepted/drafted tokens), `spec/pos_{k}_rate` (fraction of drafts
-    whose k-th token was accepted). The plot lands in `plot_path` (default: the run dir).
+    whose k-th token was accepted); with several engines also `spec/engine_acceptance_min` / `_max` (each
+    engine's own acceptance length), so a lagging engine shows. The plot lands in `plot_path` (default: the run dir).
     """
 
     def __init__(self, plot_path: str | None = None) -> None:
@@ -40,6 +41,9 @@ class AcceptanceLengthLogger(HistoryCallback):
         row = {"step": trainer.global_step, "mean_acceptance_length": spec.mean_acceptance_length,
                "acceptance_rate": spec.acceptance_rate}
         row.update({f"pos_{k}_rate": r for k, r in enumerate(spec.per_position_rates)})
+        per_engine = outputs["step"].rollout.per_engine_acceptance
+        if len(per_engine) > 1:
+            row.update(engine_acceptance_min=min(per_engine), engine_acceptance_max=max(per_engine))
         self.history.append(row)
         metrics = {f"spec/{k}": v for k, v in row.items() if k != "step"}
         pl_module.log_dict(metrics, on_step=True, batch_size=1)

@@ -13,8 +13,9 @@ from typing_extensions import override
 
 from spectrain.errors import SpeculationDeadError, SyncMismatchError
 
-# defaults by the dtype trainer and engine compute in: float32 engines agree to ~1e-7, bf16 ones to ~1e-2
-_LOGPROB_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 5e-2}
+# defaults by the dtype trainer and engine compute in: float32 engines agree to ~1e-7; bf16 ones by ~1e-2 on
+# peaked policies and by 4-6e-2 on high-entropy ones (the tiny CPU policy)
+_LOGPROB_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 1e-1, torch.float16: 1e-1}
 _WEIGHT_RTOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 # with no acceptance history, a gain (length - 1) under this is a draft that does not predict the policy
 MIN_USEFUL_GAIN = 0.1
@@ -70,7 +71,8 @@ class WeightSync(Callback):
         self.speculation_disabled = False
         self.recent_gains: deque[float] = deque(maxlen=window)
         self.warned: set[str] = set()  # the poor-draft warnings given ("cold", "worse"): each once per run
-        self._draft_sent: list = []  # the last draft sync's tensors (CPU copies, rollout rank): what the probe expects
+        self._draft_sent: list = []  # the last draft sync's tensors (CPU copies, ranks with an engine): what the probe
+        # expects
 
     # hooks ----------------------------------------------------------------------------
     @override
@@ -95,7 +97,7 @@ class WeightSync(Callback):
     def push(self, trainer, pl_module, draft: bool) -> None:
         """Send the policy (and the draft) to the engine as version `global_step`, and verify both.
 
-        Collective under PP: every rank gathers, only the rollout rank holds an engine (the others get None).
+        Collective under FSDP and PP (the plan gathers full tensors); every rank with an engine loads its own.
         """
         version = trainer.global_step
         self._sync(trainer, pl_module, "policy", list(pl_module.policy_weights_for_sync() or ()), version)
@@ -104,11 +106,11 @@ class WeightSync(Callback):
             weights = list(pl_module.draft_weights_for_sync() or ())
             self._sync(trainer, pl_module, "draft", weights, version)
             self.draft_version = version
-            if self.check_alive and pl_module.plan.is_rollout_rank:
+            if self.check_alive and pl_module.engines.has_engine:
                 self._draft_sent = [(name, t.detach().to("cpu", copy=True)) for name, t in weights]
 
     def _sync(self, trainer, pl_module, which: str, weights, version: int, attempt: int = 1) -> None:
-        if pl_module.plan.is_rollout_rank:
+        if pl_module.engines.has_engine:
             send = pl_module.engine.sync_policy if which == "policy" else pl_module.engine.sync_draft
             send(weights, version)
         problems = self._probe(trainer, pl_module, which, weights)
@@ -122,12 +124,27 @@ class WeightSync(Callback):
             self._sync(trainer, pl_module, which, weights, version, attempt=2)
 
     def _probe(self, trainer, pl_module, which: str, weights) -> list[str]:
-        """Mismatches between the engine's `which` and `weights`, the same list on every rank."""
+        """Mismatches between every engine's `which` and `weights` ("engine e: ..." with several engines), the same
+        list on every rank. Each engine's leader probes its own engine."""
+        engines = pl_module.engines
+        if engines.tp_size > 1:  # the probe applies whole layers; a TP rank holds shards of them
+            self._warn_once("tp", f"[spectrain] rollout.tensor_parallel_size={engines.tp_size}: the per-layer weight "
+                                  f"probe covers engines of one rank only, so syncs are checked by the rollout "
+                                  f"logprob check alone (sync.logprob_tolerance)")
+            return []
         problems = None
-        if pl_module.plan.is_rollout_rank:
+        if engines.is_leader:
             rtol = self.weight_rtol or _WEIGHT_RTOL.get(_policy_dtype(pl_module), 1e-2)
             problems = pl_module.engine.verify_weights(weights, which, rtol).mismatches
-        return trainer.strategy.broadcast(problems)
+        per_engine = engines.gather(problems)
+        if engines.num_engines == 1:
+            return per_engine[0]
+        return [f"engine {e} (rank {e * engines.tp_size}): {p}" for e, found in enumerate(per_engine) for p in found]
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind not in self.warned:
+            self.warned.add(kind)
+            rank_zero_warn(message)
 
     def _mismatch(self, message: str) -> None:
         if self.on_mismatch == "raise":
@@ -139,7 +156,7 @@ class WeightSync(Callback):
     def _check_rollout_logprobs(self, trainer, pl_module, diff: float) -> None:
         """The rollout was sampled from the last synced policy: its logprobs (`diff`, the step's mean absolute
         difference) must be the trainer's. Under `on_mismatch="warn"` the push that follows is the re-sync."""
-        tolerance = self.logprob_tolerance or _LOGPROB_TOLERANCE.get(_policy_dtype(pl_module), 5e-2)
+        tolerance = self.logprob_tolerance or _LOGPROB_TOLERANCE.get(_policy_dtype(pl_module), 1e-1)
         if math.isnan(diff) or diff <= tolerance:
             return
         self._mismatch(
@@ -190,14 +207,11 @@ class WeightSync(Callback):
                            f"speculation is OFF from step {trainer.global_step + 1} on.")
             self._turn_speculation_off(pl_module)
             return
-        if kind in self.warned:
-            return
-        self.warned.add(kind)
         advice = ("draft.mode=frozen never trains it, so it will not improve: the draft does not fit this policy. "
                   "draft.on_dead=disable turns speculation off when this happens; draft.mode=cotrained trains it"
                   if self.frozen_draft else "Co-training learns it from the policy's own hidden states; watch "
                                             "draft/loss and the acceptance length")
-        rank_zero_warn(f"[spectrain] {what}. {advice}. (Warned once; the run goes on with speculation.)")
+        self._warn_once(kind, f"[spectrain] {what}. {advice}. (Warned once; the run goes on with speculation.)")
 
     def _turn_speculation_off(self, pl_module) -> None:
         self.speculation_disabled = True
@@ -205,7 +219,7 @@ class WeightSync(Callback):
 
     @staticmethod
     def _disable_engine_speculation(pl_module) -> None:
-        if pl_module.plan.is_rollout_rank:
+        if pl_module.engines.has_engine:
             pl_module.engine.disable_speculation()
 
     # checkpoint -----------------------------------------------------------------------

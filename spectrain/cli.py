@@ -23,7 +23,7 @@ from spectrain.errors import ConfigError, InputWarning, SpecTrainError
 from spectrain.parallel.slurm import adopt_slurm_environment
 
 BENCHMARKS = ("drift", "draft_optimizer", "cp", "pp", "adaptive", "kernels", "memory", "speedup", "cotraining_cost",
-              "regime")
+              "regime", "rollout_scaling")
 ERROR_FILE_ENV = "SPECTRAIN_ERROR_FILE"  # set for the ranks by a relaunching `spectrain fit`: they report to it
 
 

@@ -171,3 +171,17 @@ def step_outputs(module) -> dict:
     return {"step": SimpleNamespace(rollout=getattr(module, "rollout_stats", None),
                                     engine_logprob_diff=getattr(module, "engine_logprob_diff", float("nan")),
                                     batch=getattr(module, "rollout_batch", None))}
+
+
+def export_engine_models(root: Path) -> tuple[Path, Path]:
+    """A random 4-layer policy (with the char tokenizer) and a random EAGLE-3 draft for it, as vLLM loads them."""
+    from spectrain.models.eagle3 import export_draft
+    from spectrain.models.hf_io import save_pretrained
+    from spectrain.tasks.tokenizer import save_tokenizer
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    policy_dir = save_pretrained(LlamaForCausalLM(cfg), root / "policy")
+    save_tokenizer(policy_dir)
+    return policy_dir, export_draft(Eagle3Draft(Eagle3Config.from_policy(cfg)), root / "draft", cfg)

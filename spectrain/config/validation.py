@@ -9,6 +9,7 @@ from typing import Any
 from spectrain.config.schema import (
     ATTENTION_BACKENDS,
     DRAFT_LOSS_KERNELS,
+    ENGINE_RANKS,
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
     LR_SCHEDULERS,
@@ -17,6 +18,8 @@ from spectrain.config.schema import (
     ROLLOUT_ENGINES,
     VLLM_KWARGS_SET_BY_SPECTRAIN,
     SpecTrainConfig,
+    engines_on_every_rank,
+    uses_step_loop,
 )
 from spectrain.errors import ConfigError, warn_input
 from spectrain.tasks.rewards import REWARD_FNS
@@ -165,6 +168,28 @@ def _check_torch_engine(c: SpecTrainConfig) -> None:
              f"rollout.engine=torch runs on one device; set it to 1 {fix}")
 
 
+def _check_engine_groups(c: SpecTrainConfig) -> None:
+    """`rollout.engine_ranks=all` starts one vLLM engine per TP group of `rollout.tensor_parallel_size` ranks: the
+    groups must tile the ranks. The torch engine and the step loop's controllers (adaptive k, long-tail spot
+    updates) drive one engine, on rank 0."""
+    r, p, tp = c.rollout, c.parallel, c.rollout.tensor_parallel_size
+    _one_of(r.engine_ranks, "rollout.engine_ranks", ENGINE_RANKS)
+    if r.engine_ranks == "all":
+        _require(r.engine == "vllm", "rollout.engine_ranks", "is all, but rollout.engine=torch runs one engine on "
+                 "rank 0; set rollout.engine_ranks=auto (or rank0), or rollout.engine=vllm")
+        _require(not uses_step_loop(c), "rollout.engine_ranks", f"is all, but speculation.mode={c.speculation.mode}"
+                 f"{' with speculation.long_tail' if c.speculation.long_tail.enabled else ''} steps one engine "
+                 f"between scheduler iterations, on rank 0; set rollout.engine_ranks=auto (or rank0), or "
+                 f"speculation.mode=fixed and speculation.long_tail.enabled=false for one engine per TP group")
+    world = p.dp * p.cp * p.pp
+    if world == 1 or not engines_on_every_rank(c):
+        return
+    _require(world % tp == 0, "rollout.tensor_parallel_size",
+             f"is {tp}, which does not divide the {world} ranks (parallel.dp x cp x pp): each engine is a group of "
+             f"rollout.tensor_parallel_size consecutive ranks; pick a divisor of {world} (1: one engine per rank, "
+             f"{world}: one engine over all of them)")
+
+
 def _check_rollout(c: SpecTrainConfig) -> None:
     r = c.rollout
     _one_of(r.engine, "rollout.engine", ROLLOUT_ENGINES)
@@ -182,6 +207,7 @@ def _check_rollout(c: SpecTrainConfig) -> None:
              f"is {r.gpu_memory_utilization}; give vLLM's share of the GPU, in (0, 1], e.g. 0.6")
     _require(r.tensor_parallel_size >= 1, "rollout.tensor_parallel_size",
              f"is {r.tensor_parallel_size}; it must be >= 1")
+    _check_engine_groups(c)
     _require(r.kv_cache_gib > 0, "rollout.kv_cache_gib",
              f"is {r.kv_cache_gib}; give the vLLM KV cache size in GiB, > 0 (fractions are honoured, e.g. 0.5)")
     managed = sorted(set(r.vllm_kwargs) & set(VLLM_KWARGS_SET_BY_SPECTRAIN))

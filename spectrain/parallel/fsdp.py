@@ -161,9 +161,10 @@ class FullyShardedPlan(ContextParallelPlan):
         norm = torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
-    def policy_weights(self, policy) -> NamedTensors | None:
-        """Rank 0's engine gets the policy gathered tensor by tensor; the other ranks drive the same all-gathers."""
-        return gathered(LocalPlan().policy_weights(policy), keep=self.is_rollout_rank)
+    def policy_weights(self, policy, everywhere: bool = False) -> NamedTensors | None:
+        """The policy gathered tensor by tensor, kept on rank 0 (`everywhere`: on every rank, for its engine); the
+        other ranks drive the same all-gathers."""
+        return gathered(LocalPlan().policy_weights(policy), keep=self.is_rollout_rank or everywhere)
 
-    def draft_weights(self, draft) -> NamedTensors | None:
-        return gathered(LocalPlan().draft_weights(draft), keep=self.is_rollout_rank)
+    def draft_weights(self, draft, everywhere: bool = False) -> NamedTensors | None:
+        return gathered(LocalPlan().draft_weights(draft), keep=self.is_rollout_rank or everywhere)

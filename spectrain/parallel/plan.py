@@ -52,7 +52,7 @@ class PolicyStepResult:
 
 
 class TrainPlan(Protocol):
-    is_rollout_rank: bool  # drives the engine and syncs weights into it
+    is_rollout_rank: bool  # rank 0: shares the rollout and gathers weights for export
     hosts_draft: bool  # the draft and its optimizer live here
 
     def share(self, obj): ...
@@ -66,10 +66,13 @@ class TrainPlan(Protocol):
 
     def clip_grad_norm(self, module: nn.Module, max_norm: float) -> torch.Tensor: ...
 
-    def policy_weights(self, policy: LlamaForCausalLM) -> list[tuple[str, torch.Tensor]] | None: ...
+    # the policy's full tensors for the engines: on rank 0, and on every rank when `everywhere` (one engine per TP
+    # group: each rank loads its own); None on the others (collective where the weights are sharded or staged)
+    def policy_weights(self, policy: LlamaForCausalLM,
+                       everywhere: bool = False) -> list[tuple[str, torch.Tensor]] | None: ...
 
-    # optional: plans whose draft is not on the rollout rank (PP) gather it there; None elsewhere
-    def draft_weights(self, draft: nn.Module) -> list[tuple[str, torch.Tensor]] | None: ...
+    # optional: plans whose draft is not on every rank (PP) or sharded (FSDP) gather it the same way
+    def draft_weights(self, draft: nn.Module, everywhere: bool = False) -> list[tuple[str, torch.Tensor]] | None: ...
 
 
 def ttt_valid_tokens(batch: RolloutBatch) -> float:
@@ -139,11 +142,11 @@ class LocalPlan:
     def clip_grad_norm(self, module: nn.Module, max_norm: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)
 
-    def policy_weights(self, policy):
+    def policy_weights(self, policy, everywhere: bool = False):
         tied = policy.cfg.tie_word_embeddings
         return [(n, p.detach()) for n, p in policy.state_dict().items() if not (tied and n == "lm_head.weight")]
 
-    def draft_weights(self, draft):
+    def draft_weights(self, draft, everywhere: bool = False):
         from spectrain.models.eagle3 import draft_sync_weights
 
         return draft_sync_weights(draft)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol, runtime_checkable
+from typing import Iterable, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -39,15 +39,22 @@ class SpecDecodeCounters:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
 
-    def __sub__(self, other: "SpecDecodeCounters") -> "SpecDecodeCounters":
+    def _combine(self, other: "SpecDecodeCounters", sign: int) -> "SpecDecodeCounters":
         width = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
         pad = lambda v: list(v) + [0] * (width - len(v))  # noqa: E731
         return SpecDecodeCounters(
-            self.num_drafts - other.num_drafts,
-            self.num_draft_tokens - other.num_draft_tokens,
-            self.num_accepted_tokens - other.num_accepted_tokens,
-            [a - b for a, b in zip(pad(self.accepted_per_pos), pad(other.accepted_per_pos))],
+            self.num_drafts + sign * other.num_drafts,
+            self.num_draft_tokens + sign * other.num_draft_tokens,
+            self.num_accepted_tokens + sign * other.num_accepted_tokens,
+            [a + sign * b for a, b in zip(pad(self.accepted_per_pos), pad(other.accepted_per_pos))],
         )
+
+    def __sub__(self, other: "SpecDecodeCounters") -> "SpecDecodeCounters":
+        return self._combine(other, -1)
+
+    def __add__(self, other: "SpecDecodeCounters") -> "SpecDecodeCounters":
+        """Two engines' counters together (a multi-engine rollout sums its engines')."""
+        return self._combine(other, 1)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -85,6 +92,15 @@ class ProbeResult:
 
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
+Sampling = SamplingConfig | Sequence[SamplingConfig]  # one for every prompt, or one per prompt (e.g. its seed)
+
+
+def per_prompt(sampling: Sampling, num_prompts: int) -> list[SamplingConfig]:
+    """One config per prompt from `sampling`."""
+    configs = [sampling] * num_prompts if isinstance(sampling, SamplingConfig) else list(sampling)
+    if len(configs) != num_prompts:
+        raise ValueError(f"{len(configs)} sampling configs for {num_prompts} prompts; pass one, or one per prompt")
+    return configs
 
 
 @runtime_checkable
@@ -94,7 +110,7 @@ class RolloutEngine(Protocol):
     policy_version: int
     draft_version: int
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Completion]: ...
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]: ...
 
     def sync_policy(self, weights: NamedTensors, version: int) -> None: ...
 

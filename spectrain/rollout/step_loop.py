@@ -12,11 +12,10 @@ because `LLM.get_metrics()` costs ~10 ms, as much as a tiny model's decode step.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from spectrain.rollout.engine import Completion, SamplingConfig
+from spectrain.rollout.engine import Completion, Sampling, per_prompt
 from spectrain.rollout.vllm import compat
 from spectrain.rollout.vllm.engine import VLLMRolloutEngine, to_completions
 
@@ -97,7 +96,7 @@ class IdleStepHook(Protocol):
 def generate_stepwise(
     engine: VLLMRolloutEngine,
     prompts: list[list[int]],
-    sampling: SamplingConfig | Sequence[SamplingConfig],
+    sampling: Sampling,
     controller: SpecController | None = None,
     idle_hook: IdleStepHook | None = None,
 ) -> StepLoopResult:
@@ -113,9 +112,7 @@ def generate_stepwise(
     """
     from vllm.inputs import TokensPrompt
 
-    configs = [sampling] * len(prompts) if isinstance(sampling, SamplingConfig) else list(sampling)
-    if len(configs) != len(prompts):
-        raise ValueError(f"{len(configs)} sampling configs for {len(prompts)} prompts; pass one, or one per prompt")
+    configs = per_prompt(sampling, len(prompts))
     llm_engine = compat.stepped_engine(engine.llm)
     engine.in_process_scheduler()  # fail early, before adding requests, if the core is out of process
     for hook in (controller, idle_hook):

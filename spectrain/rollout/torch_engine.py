@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -30,8 +30,10 @@ from spectrain.rollout.engine import (
     LoadStats,
     NamedTensors,
     ProbeResult,
+    Sampling,
     SamplingConfig,
     SpecDecodeCounters,
+    per_prompt,
 )
 
 SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it decodes greedily
@@ -48,16 +50,20 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
-                  generator: torch.Generator | None) -> torch.Tensor:
+                  generator: torch.Generator | list[torch.Generator | None] | None) -> torch.Tensor:
     """One token per row of float32 `logits [B, V]`: argmax when greedy, else an exponential race
-    (argmax of p / Exp(1), an exact draw from p, as vLLM samples) over the tempered, top-p filtered logits."""
+    (argmax of p / Exp(1), an exact draw from p, as vLLM samples) over the tempered, top-p filtered logits.
+    `generator`: one for every row, or one per row (a seeded request's; None: torch's global RNG)."""
     if temperature < SAMPLING_EPS:
         return logits.argmax(dim=-1)
     logits = logits / temperature
     if top_p < 1.0:
         logits = top_p_filter(logits, top_p)
     probs = logits.softmax(dim=-1)
-    race = torch.empty_like(probs).exponential_(generator=generator)
+    if isinstance(generator, list):
+        race = torch.stack([torch.empty_like(row).exponential_(generator=g) for row, g in zip(probs, generator)])
+    else:
+        race = torch.empty_like(probs).exponential_(generator=generator)
     return probs.div(race).argmax(dim=-1)
 
 
@@ -123,18 +129,26 @@ class TorchSamplingEngine:
         return min(wanted, room)
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
         """`sampling.n` completions per prompt, grouped by prompt in order.
 
-        `sampling.seed` draws from a generator of its own (the same call, the same completions);
-        None draws from torch's global RNG of the device, which `GRPOModule.seed_sampling` seeds
-        per rollout, as the in-process vLLM engine does.
+        A config with a `seed` draws its sample j from a generator seeded with seed + j, as vLLM
+        seeds a request's samples (the same seeds, the same completions, however the prompts are
+        batched); None draws from torch's global RNG of the device. Per-prompt configs may differ
+        only in their seed.
         """
+        configs = per_prompt(sampling, len(prompts))
+        sampling = configs[0] if configs else SamplingConfig()
+        if any(replace(c, seed=None) != replace(sampling, seed=None) for c in configs):
+            raise ValueError("the torch engine takes one sampling config for all prompts, or per-prompt seeds only")
         stops = set(self.eos_token_ids) | set(sampling.stop_token_ids)
-        sequences = [_Sequence(i, list(p), self.max_tokens_for(len(p), sampling.max_tokens))
-                     for i, p in enumerate(prompts) for _ in range(sampling.n)]
-        generator = (None if sampling.seed is None
-                     else torch.Generator(self.device).manual_seed(sampling.seed))
+        sequences, generators = [], {}
+        for i, (p, c) in enumerate(zip(prompts, configs)):
+            for j in range(sampling.n):
+                sequence = _Sequence(i, list(p), self.max_tokens_for(len(p), sampling.max_tokens))
+                sequences.append(sequence)
+                if c.seed is not None:
+                    generators[id(sequence)] = torch.Generator(self.device).manual_seed(c.seed + j)
         waiting, running = deque(sequences), []
         while waiting or running:
             while waiting and len(running) < self.max_num_seqs:
@@ -144,7 +158,7 @@ class TorchSamplingEngine:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
             young = torch.tensor([len(s.token_ids) < sampling.min_tokens for s in running], device=self.device)
             tokens = sample_tokens(self._hide_stops(logits, young, stops), sampling.temperature, sampling.top_p,
-                                   generator)
+                                   [generators.get(id(s)) for s in running] if generators else None)
             chosen = raw_logprobs.gather(-1, tokens[:, None]).squeeze(-1)
             for s, token, logprob in zip(running, tokens.tolist(), chosen.tolist()):
                 s.append(token, logprob, stops)

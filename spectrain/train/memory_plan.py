@@ -1,10 +1,12 @@
 """`spectrain plan`: the memory one GPU needs for a recipe, computed from `config.json` alone (docs/gpu.md).
 
-The plan is for the busiest GPU: rank 0, which holds its training share and also hosts the rollout engine
-(vLLM runs inside rank 0's process, on its GPU). Every row is in bytes and the total is their plain sum: what
-is resident at the policy backward's peak (the start of a micro-batch's backward), where the micro-batch's
-activations, one logits chunk and the draft's inputs are live at once. Nothing is measured: the numbers are
-these formulas on the checkpoint's `config.json` (no weights are read) or the toy `policy.*`.
+The plan is for the busiest GPU: one that holds its training share and also hosts a rollout engine (vLLM runs
+inside the trainer's processes: one engine per TP group of `rollout.tensor_parallel_size` GPUs, so every GPU
+hosts its part of one; `rollout.engine_ranks=rank0`, the torch engine and the step loop's adaptive modes keep
+one engine on rank 0). Every row is in bytes and the total is their plain sum: what is resident at the policy
+backward's peak (the start of a micro-batch's backward), where the micro-batch's activations, one logits chunk
+and the draft's inputs are live at once. Nothing is measured: the numbers are these formulas on the checkpoint's
+`config.json` (no weights are read) or the toy `policy.*`.
 
 Notation: P parameters (the heaviest pipeline stage's), S the FSDP shard count (dp x cp with
 `parallel.fsdp=true`, else 1: replicated), T tokens per micro-batch per rank, L decoder layers (the stage's),
@@ -64,8 +66,8 @@ group_size / grpo.minibatches / dp) documents x doc / cp tokens, every document 
 Under pp a rank holds its stages' layers for the whole micro-batch (GPipe's bound; 1F1B holds less), and the
 plan is the pipeline rank with the largest total.
 
-The engine: vLLM takes `rollout.gpu_memory_utilization` x the GPU's memory on rank 0's GPU (weights and KV
-cache, for the whole run); `rollout.engine=torch` holds a copy of the policy in the rollout dtype. A fixed
+The engine: vLLM takes `rollout.gpu_memory_utilization` x the GPU's memory on each GPU it runs on (weights and
+KV cache, for the whole run); `rollout.engine=torch` holds a copy of the policy in the rollout dtype. A fixed
 `RESERVED_BYTES` (2 GiB) covers the CUDA context, NCCL's buffers and the allocator's slack.
 
 Not counted, because they come after the backward has freed more than they need: the optimizer step's
@@ -81,7 +83,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from spectrain.config import SpecTrainConfig, validate
-from spectrain.config.schema import PP_STAGES_PER_RANK
+from spectrain.config.schema import PP_STAGES_PER_RANK, engines_on_every_rank
 from spectrain.errors import ConfigError, InputWarning
 from spectrain.models.eagle3 import Eagle3Config, read_draft_config
 from spectrain.models.llama import LlamaConfig
@@ -230,15 +232,17 @@ def draft_parameters(d: Eagle3Config) -> int:
     return fc + attention + 3 * h * d.intermediate_size + 4 * h + h * d.draft_vocab_size
 
 
-def pipeline_shares(num_layers: int, pp: int, stages_per_rank: int) -> list[StageShare]:
+def pipeline_shares(num_layers: int, pp: int, stages_per_rank: int,
+                    engine_everywhere: bool = False) -> list[StageShare]:
     """Each pipeline rank's share: stage s (earlier stages take the remainder, as `stage_layer_ids`) runs on
-    rank s % pp; the first stage has the embedding, the last the head; rank 0 hosts the engine."""
+    rank s % pp; the first stage has the embedding, the last the head; rank 0 hosts an engine (every rank
+    with `engine_everywhere`)."""
     stages = pp * stages_per_rank
     base, extra = divmod(num_layers, stages)
     layers = [base + (s < extra) for s in range(stages)]
     assert min(layers) >= 1, f"{num_layers} layers cannot fill {stages} stages (validation refuses this)"
-    return [StageShare(sum(layers[r::pp]), embedding=r == 0, head=r == (stages - 1) % pp, engine=r == 0)
-            for r in range(pp)]
+    return [StageShare(sum(layers[r::pp]), embedding=r == 0, head=r == (stages - 1) % pp,
+                       engine=r == 0 or engine_everywhere) for r in range(pp)]
 
 
 # ---------------------------------------------------------------- activations
@@ -369,7 +373,7 @@ def precision(config: SpecTrainConfig) -> Precision:
 
 
 def engine_share(config: SpecTrainConfig, policy: LlamaConfig, gpu_memory: int) -> tuple[int, str]:
-    """What the rollout engine takes of rank 0's GPU, and how that was computed."""
+    """What the rollout engine takes of a GPU that hosts it, and how that was computed."""
     r = config.rollout
     if r.engine == "vllm":
         return int(r.gpu_memory_utilization * gpu_memory), f"vLLM: {r.gpu_memory_utilization} x GPU memory"
@@ -479,7 +483,8 @@ def plan_config(config: SpecTrainConfig, gpu_memory: int, policy: LlamaConfig | 
     policy = policy or policy_architecture(config)
     draft = draft_architecture(config, policy)
     par = config.parallel
-    shares = pipeline_shares(policy.num_hidden_layers, par.pp, PP_STAGES_PER_RANK[par.pp_schedule])
+    shares = pipeline_shares(policy.num_hidden_layers, par.pp, PP_STAGES_PER_RANK[par.pp_schedule],
+                             engine_everywhere=engines_on_every_rank(config))
     plans = [plan_memory(plan_inputs(config, policy, draft, share, gpu_memory)) for share in shares]
     return max(plans, key=lambda plan: plan.total)
 
@@ -731,7 +736,7 @@ def format_plan(plan: MemoryPlan, title: str) -> str:
         f"{'co-trained' if x.draft_trained else 'frozen'})")
     layout = f"FSDP over {x.shards} ranks" if x.fsdp else "replicated (no FSDP)"
     lines = [
-        f"memory per GPU for {title} (GiB), on the GPU that hosts the rollout engine",
+        f"memory per GPU for {title} (GiB), on a GPU that hosts a rollout engine",
         f"policy {cfg.architecture}: {_count(policy_parameters(cfg))} parameters, {cfg.num_hidden_layers} layers, "
         f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}; {draft}",
         f"layout: {layout}, {x.share.layers} layers on this GPU; residual stream {p.residual} B, matmuls "

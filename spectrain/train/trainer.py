@@ -17,12 +17,14 @@ from pathlib import Path
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, IterableDataset
 
 from spectrain import console
 from spectrain.callbacks.run_history import run_speed, speed_line
 from spectrain.config import SpecTrainConfig
+from spectrain.config.schema import engines_on_every_rank
 from spectrain.config.validation import check_pipeline_fits
 from spectrain.errors import ConfigError
 from spectrain.machine import resolve_device
@@ -32,6 +34,7 @@ from spectrain.parallel.fsdp import unsharded_copy
 from spectrain.parallel.mesh import world_size
 from spectrain.parallel.slurm import adopt_slurm_environment
 from spectrain.rollout.engine import RolloutEngine
+from spectrain.rollout.engine_layout import EngineLayout
 from spectrain.tasks.rewards import RewardInput
 from spectrain.train import inputs
 from spectrain.train.loggers import build_loggers, check_loggers, count_steps_from_one
@@ -92,7 +95,8 @@ class SpecTrainer:
         self.run_dir = Path(config.trainer.run_dir)
         self.run = RunDir(self.run_dir, config)
         self.warmstart_dir = Path(config.trainer.warmstart_dir or self.run_dir / "warmstart")
-        self.engine: RolloutEngine | None = None
+        self.engine: RolloutEngine | None = None  # this rank's (None on a rank without one)
+        self.engines = EngineLayout.single()  # which ranks hold engines (`engine_layout`, at the start of fit)
         self.warm_eval: dict[str, float] | None = None  # held-out rewards before GRPO
         self.module: GRPOModule | None = None
         self.trainer: L.Trainer | None = None
@@ -180,7 +184,8 @@ class SpecTrainer:
                                  spec_schedule=engine_spec_schedule(self.config), max_model_len=r.max_model_len,
                                  kv_cache_gib=r.kv_cache_gib, seed=self.config.trainer.seed, dtype=dtype,
                                  gpu_memory_utilization=r.gpu_memory_utilization,
-                                 tensor_parallel_size=r.tensor_parallel_size, enforce_eager=r.enforce_eager,
+                                 tensor_parallel_size=r.tensor_parallel_size,
+                                 external_launcher=self.engines.ranks_with_engines > 1, enforce_eager=r.enforce_eager,
                                  enable_prefix_caching=r.enable_prefix_caching, vllm_kwargs=dict(r.vllm_kwargs))
 
     def build_strategy(self):
@@ -196,13 +201,24 @@ class SpecTrainer:
         return strategy
 
     def prepare_rollout_process_groups(self) -> None:
-        """On every rank, before rank 0 starts its in-process vLLM engine (collective): vLLM's process
+        """On every rank, before the ranks start their in-process vLLM engines (collective): vLLM's process
         groups (spectrain/rollout/vllm/dist.py). An engine without process groups overrides this as a no-op."""
         if self.config.rollout.engine == "torch":
             return
         from spectrain.rollout.vllm.dist import prepare_process_groups
 
-        prepare_process_groups()
+        prepare_process_groups(self.engines.tp_size)  # 1 for one engine on rank 0 (vLLM's own TP workers, if any)
+
+    def engine_layout(self) -> EngineLayout:
+        """One vLLM engine per TP group of `rollout.tensor_parallel_size` ranks, or one on rank 0 alone
+        (`rollout.engine_ranks`: rank0, and auto for the torch engine and the step loop's adaptive modes)."""
+        if self.strategy is None:
+            return EngineLayout.single()
+        rank = self.strategy.global_rank
+        if not engines_on_every_rank(self.config):
+            return EngineLayout(1, 1, rank)
+        tp = self.config.rollout.tensor_parallel_size
+        return EngineLayout(self.strategy.world_size // tp, tp, rank)
 
     def build_callbacks(self) -> list[Callback]:
         from spectrain.callbacks import (
@@ -292,13 +308,16 @@ class SpecTrainer:
         signals.phase = "the warm start: no partial cache is left (a cache appears only when complete)"
         policy, draft = self._rank_zero_first(self._warm_start)
         policy.attention_ops = inputs.policy_attention_ops(self.config)  # the warm start keeps the default torch ops
+        self.engines = self.engine_layout()
         if self.strategy is not None:
             self.prepare_rollout_process_groups()
         signals.phase = "the engine start: the warm start is cached"
-        self._on_rank_zero(lambda: self._start_engine(policy, draft))  # every rank learns of a failed start
+        engine_dirs = self._on_rank_zero(lambda: self._export_engine_start(policy, draft))
+        self._on_every_rank(lambda: self._start_engine(*engine_dirs))  # every rank learns of a failed start
         try:
             self.module = GRPOModule(self.config, policy, draft, self.tokenizer, self.rewards,
                                      reward=self.reward_hook_name(), engine=self.engine)
+            self.module.engines = self.engines
             if self.strategy is not None:
                 self.strategy.connect(self.module)
             eval_examples = self.eval_examples()
@@ -420,19 +439,20 @@ class SpecTrainer:
         if missing:
             check_writable(self.warmstart_dir, "trainer.warmstart_dir")
 
-    def _start_engine(self, policy, draft) -> None:
-        """The rollout rank starts the engine on the warm start; the other ranks get each rollout from the plan.
+    def _export_engine_start(self, policy, draft) -> tuple[Path, Path | None]:
+        """The warm start as the engines load it (on rank 0): the policy's and the draft's directories.
 
-        A pretrained policy that no SFT changed starts the engine from `policy.path` itself: no copy of its weights.
+        A pretrained policy that no SFT changed starts the engines from `policy.path` itself: no copy of its weights.
         """
-        if not self.is_rollout_rank:
-            return
         if self.config.policy.path is not None and not sft_enabled(self.config):
-            policy_dir = Path(self.config.policy.path)
-            draft_dir = self.export_draft(policy, draft, self.run_dir / "engine_init")
-        else:
-            policy_dir, draft_dir = self.export_models(policy, draft, self.run_dir / "engine_init")
-        self.engine = self.build_rollout_engine(policy_dir, draft_dir)
+            return Path(self.config.policy.path), self.export_draft(policy, draft, self.run_dir / "engine_init")
+        return self.export_models(policy, draft, self.run_dir / "engine_init")
+
+    def _start_engine(self, policy_dir: Path, draft_dir: Path | None) -> None:
+        """Every rank of an engine starts its part of it (the ranks of a TP group together); a rank without one
+        gets each rollout from the others."""
+        if self.engines.has_engine:
+            self.engine = self.build_rollout_engine(policy_dir, draft_dir)
 
     def _warm_start(self):
         policy, _ = warm_start_policy(self.config, self.build_policy(), self.source, self.tokenizer,
@@ -442,10 +462,6 @@ class SpecTrainer:
     @property
     def is_rank_zero(self) -> bool:
         return self.strategy is None or self.strategy.is_global_zero
-
-    @property
-    def is_rollout_rank(self) -> bool:
-        return self.strategy is None or self.strategy.plan.is_rollout_rank
 
     def _on_rank_zero(self, fn):
         """`fn()` on rank 0 only; every rank gets its result, or raises its exception."""
@@ -463,6 +479,23 @@ class SpecTrainer:
                 error.reported_by_rank_zero = True  # the CLI prints it on rank 0 only
             raise error
         return value
+
+    def _on_every_rank(self, fn):
+        """`fn()` on every rank; if it raises on any, every rank raises (the lowest failing rank's exception)."""
+        if self.strategy is None:
+            return fn()
+        try:
+            outcome = (fn(), None)
+        except Exception as exc:  # re-raised on every rank below
+            outcome = (None, exc)
+        outcomes = [None] * self.strategy.world_size
+        dist.all_gather_object(outcomes, outcome)
+        errors = [error for _, error in outcomes if error is not None]
+        if errors:
+            if not self.is_rank_zero:
+                errors[0].reported_by_rank_zero = True  # the CLI prints it on rank 0 only
+            raise errors[0]
+        return outcome[0]
 
     def _rank_zero_first(self, fn):
         """`fn()` on rank 0, then on the other ranks: rank 0 fills the caches (warm start) they read."""

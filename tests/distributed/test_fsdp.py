@@ -259,6 +259,7 @@ def test_fsdp_config_errors_name_the_keys():
 
 
 # ---------------------------------------------------------------------------------- SpecTrainer.fit
+LOGPROB_DIFF_ATOL = 5e-8
 RESUME_AT = 2  # the first fit stops here (a checkpoint per step); the same command with one more step resumes
 
 
@@ -299,7 +300,10 @@ def test_fit_dp2_fsdp_checkpoints_and_resumes_like_one_process(tmp_path):
     for step, (a, b) in enumerate(zip(want, got)):
         for col in columns:
             x, y = float(a[col]), float(b[col])
-            assert abs(x - y) <= RTOL * abs(x) + ATOL, f"step {step} {col}: one process {x} vs fsdp {y}"
+            # engine_logprob_diff is itself float32 rounding (~8e-8 per token): FSDP's float32 logprobs round
+            # otherwise after the resume (measured 1.7e-8 apart at step 3; the loss 1.4e-7 relative)
+            atol = LOGPROB_DIFF_ATOL if col == "policy/engine_logprob_diff" else ATOL
+            assert abs(x - y) <= RTOL * abs(x) + atol, f"step {step} {col}: one process {x} vs fsdp {y}"
     ckpts = [torch.load(tmp_path / name / "checkpoints/last.ckpt", weights_only=False) for name in ("one", "fsdp")]
     assert ckpts[1]["state_dict"].keys() == ckpts[0]["state_dict"].keys() and ckpts[1]["global_step"] == STEPS
     for key, want_t in ckpts[0]["state_dict"].items():  # float32 weights: measured <= 1.2e-7 apart (summation order)

@@ -1,20 +1,26 @@
 """`spectrain fit` on ranks that other launchers started: a multi-node torchrun rendezvous and SLURM's `srun`.
 
-Two "nodes" on this machine, one rank each, at dp=2: both launchers run the same training, so every logged value
-matches between them.
+Two "nodes" on this machine, one rank each, at dp=2, each rank with its own vLLM engine: both launchers run the
+same training, the srun one killed (SIGKILL on both ranks) in its second step and resumed, so every logged value
+matches between them, bit for bit.
 """
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from spectrain.errors import ConfigError
 from spectrain.parallel.slurm import adopt_slurm_environment
 from spectrain.parallel.spawn import free_port
+from tests.faults import KILL_ENV
 from tests.helpers import TINY, logged_steps
 
-FIT = ["fit", "tiny_cpu", *TINY, "parallel.dp=2", "trainer.max_steps=2", "trainer.eval_every_n_steps=0"]
+REPO = Path(__file__).resolve().parents[2]
+
+FIT = ["fit", "tiny_cpu", *TINY, "parallel.dp=2", "trainer.max_steps=2", "trainer.eval_every_n_steps=0",
+       "trainer.callbacks=[{target: tests.faults.SignalAtStep}]"]
 ADOPTED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
            "TORCHELASTIC_RUN_ID")  # torchrun's variables, as adopt_slurm_environment writes them
 SLURM_JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "spectrain", "SLURM_NTASKS": "2",
@@ -23,20 +29,23 @@ SLURM_JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "spectrain", "SLURM_NTASK
 
 def _clean_env(**extra: str) -> dict[str, str]:
     """This process's environment without any launcher's variables, plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if k not in ADOPTED and not k.startswith("SLURM_")}
-    return {**env, "OMP_NUM_THREADS": "1", **extra}
+    env = {k: v for k, v in os.environ.items() if k not in ADOPTED and not k.startswith("SLURM_") and k != KILL_ENV}
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **extra}
 
 
-def _wait_all(processes: list[subprocess.Popen], timeout: float = 900) -> None:
+def _wait_all(processes: list[subprocess.Popen], killed: bool = False, timeout: float = 900) -> None:
+    """Every process exited 0; `killed`: each was killed, or failed when its peer was (a broken connection)."""
     outputs = [p.communicate(timeout=timeout)[0] for p in processes]
     for node, (p, out) in enumerate(zip(processes, outputs)):
-        assert p.returncode == 0, f"node {node} exited {p.returncode}:\n{out[-4000:]}"
+        ok = p.returncode != 0 if killed else p.returncode == 0
+        assert ok, f"node {node} exited {p.returncode}:\n{out[-4000:]}"
+    assert not killed or -9 in [p.returncode for p in processes]
 
 
-def _fit_on_two_nodes(run_dir, command_for_node, env_for_node) -> None:
+def _fit_on_two_nodes(run_dir, command_for_node, env_for_node, killed: bool = False) -> None:
     _wait_all([subprocess.Popen(command_for_node(node), env=env_for_node(node), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True) for node in (0, 1)])
-    assert (run_dir / "spectrain_run.json").is_file() and (run_dir / "checkpoints/last.ckpt").is_file()
+                                stderr=subprocess.STDOUT, text=True) for node in (0, 1)], killed)
+    assert (run_dir / "checkpoints/last.ckpt").is_file()
 
 
 @pytest.mark.slow
@@ -49,12 +58,15 @@ def test_a_multi_node_torchrun_and_srun_run_the_same_training(tmp_path):
                       f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}",
                       "-m", "spectrain.cli", *FIT, f"trainer.run_dir={torchrun_dir}"],
         lambda node: _clean_env())
-    port = free_port()
-    _fit_on_two_nodes(
-        srun_dir,
-        lambda node: [sys.executable, "-m", "spectrain.cli", *FIT, f"trainer.run_dir={srun_dir}"],
-        lambda node: _clean_env(**SLURM_JOB, SLURM_PROCID=str(node), SLURM_LOCALID="0", SLURM_NODEID=str(node),
-                                MASTER_PORT=str(port)))
+    for kill in ({KILL_ENV: "1:SIGKILL"}, {}):  # killed in step 2 (after step 1's checkpoint), then resumed
+        port = free_port()
+        _fit_on_two_nodes(
+            srun_dir,
+            lambda node: [sys.executable, "-m", "spectrain.cli", *FIT, f"trainer.run_dir={srun_dir}"],
+            lambda node: _clean_env(**SLURM_JOB, SLURM_PROCID=str(node), SLURM_LOCALID="0", SLURM_NODEID=str(node),
+                                    MASTER_PORT=str(port), **kill),  # noqa: B023 (called at once)
+            killed=bool(kill))
+    assert (torchrun_dir / "spectrain_run.json").is_file() and (srun_dir / "final").is_dir()
     by_torchrun, by_srun = logged_steps(torchrun_dir), logged_steps(srun_dir)
     assert sorted(by_torchrun) == [1, 2] and "reward" in by_torchrun[2] and "draft/loss" in by_torchrun[2]
     assert by_srun == by_torchrun

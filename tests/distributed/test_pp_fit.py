@@ -2,7 +2,8 @@
 
 `spectrain.train.trainer.SpecTrainer.fit` runs as users run it (Lightning, the spec_parallel strategy,
 `DraftCoTraining`, `WeightSync`, the CSV logger) with `grpo.minibatches=4` and several
-microbatches, on every layout below; only the engine is a stand-in: seeded random completions
+microbatches, on every layout below, with an engine on every rank (each serving its share of the
+prompts); only the engine is a stand-in: random completions from each request's seed,
 whose logprobs it computes exactly (float64) with its own copy of the policy, which
 `WeightSync` keeps current like vLLM's. The models train in float64 and the trainer takes its
 logprobs in float32 (`token_logprobs`), so they differ from the engine's by float32 rounding
@@ -24,7 +25,7 @@ from spectrain.cli import main as cli_main
 from spectrain.config import load_config
 from spectrain.models.hf_io import load_pretrained
 from spectrain.parallel.spawn import run_distributed
-from spectrain.rollout.engine import Completion, LoadStats, SpecDecodeCounters
+from spectrain.rollout.engine import Completion, LoadStats, SpecDecodeCounters, per_prompt
 from spectrain.rollout.vllm.weight_probe import ProbeResult
 from spectrain.train.trainer import SpecTrainer
 from tests.helpers import TINY, metrics
@@ -57,21 +58,24 @@ RTOL, ATOL = 5e-5, 1e-8
 
 
 class FixedRolloutEngine:
-    """Seeded random completions, scored exactly (float64) by the engine's copy of the policy, synced like vLLM's."""
+    """Random completions drawn from each request's seed (so every engine layout draws the same ones), scored
+    exactly (float64) by the engine's copy of the policy, synced like vLLM's. One on every rank of a layout."""
 
     def __init__(self, policy_dir) -> None:
         self.model = load_pretrained(policy_dir, dtype=torch.float64)  # exact: the initial weights are float32
-        self.generator = torch.Generator().manual_seed(0)
         self.policy_version = self.draft_version = 0
 
-    def _random_tokens(self, max_tokens: int) -> list[int]:
+    def _random_tokens(self, max_tokens: int, generator: torch.Generator) -> list[int]:
         """1..max_tokens ids past the special tokens (0..3)."""
-        length = int(torch.randint(1, max_tokens + 1, (1,), generator=self.generator))
-        return torch.randint(4, self.model.cfg.vocab_size, (length,), generator=self.generator).tolist()
+        length = int(torch.randint(1, max_tokens + 1, (1,), generator=generator))
+        return torch.randint(4, self.model.cfg.vocab_size, (length,), generator=generator).tolist()
 
     def generate(self, prompts, sampling):
-        completions = [Completion(i, p, self._random_tokens(sampling.max_tokens), [], True)
-                       for i, p in enumerate(prompts) for _ in range(sampling.n)]
+        configs = per_prompt(sampling, len(prompts))
+        assert all(c.seed is not None for c in configs), "GRPOModule seeds every request"
+        completions = [Completion(i, p, self._random_tokens(c.max_tokens, torch.Generator().manual_seed(c.seed + j)),
+                                  [], True)
+                       for i, (p, c) in enumerate(zip(prompts, configs)) for j in range(c.n)]
         batch = build_rollout_batch(completions, torch.zeros(len(completions)))
         with torch.no_grad():
             logits = self.model(batch.input_ids, batch.position_ids, batch.cu_seqlens).logits

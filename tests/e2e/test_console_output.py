@@ -40,15 +40,13 @@ def test_a_log_shows_spectrain_lines_and_one_line_per_step(quiet_fit):
     assert "\r" not in out  # no bar redraws in a log
 
 
-def test_verbose_shows_what_the_quiet_console_hides(tmp_path):
-    out = fit_output(tmp_path / "run", "--verbose")
-    assert "WARNING" in out and "GPU available" in out and "[spectrain] vLLM runs on CPU" not in out
-
-
-def test_the_preloaded_intel_openmp_changes_no_logged_value(quiet_fit, tmp_path):
+def test_verbose_shows_the_hidden_noise_and_without_the_preload_every_value_is_the_same(quiet_fit, tmp_path):
+    """One more fit serves both checks: `--verbose` with `SPECTRAIN_CPU_PRELOAD=0` (torch's GNU OpenMP) against
+    the quiet fit, which ran with Intel OpenMP preloaded."""
     run_dir, out = quiet_fit
     assert "[spectrain] vLLM runs on CPU with libiomp5.so preloaded, as vLLM's CPU guide asks" in out, out[-3000:]
-    plain = fit_output(tmp_path / "plain", env_extra={"SPECTRAIN_CPU_PRELOAD": "0"})
+    plain = fit_output(tmp_path / "plain", "--verbose", env_extra={"SPECTRAIN_CPU_PRELOAD": "0"})
+    assert "WARNING" in plain and "GPU available" in plain and "[spectrain] vLLM runs on CPU" not in plain
     assert "preloaded, as vLLM's CPU guide asks" not in plain
     preloaded, gnu_openmp = logged_steps(run_dir), logged_steps(tmp_path / "plain")
     assert len(preloaded) >= 2 and preloaded == gnu_openmp  # rewards, losses, acceptance: bit for bit

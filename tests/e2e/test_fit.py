@@ -47,8 +47,11 @@ def test_fit_runs_end_to_end_and_resumes(tmp_path, capsys):
     # verified: the engine serves the policy
     assert all(0 < d < 1e-3 for d in column(rows, "policy/engine_logprob_diff"))
     assert column(rows, "sync/mismatches") == [0.0, 0.0]
-    # 4 prompts x 4 samples fit the KV cache: all ran at once, none waited or was preempted
-    assert column(rows, "rollout/max_running") == [16.0, 16.0] and column(rows, "rollout/preemptions") == [0.0, 0.0]
+    # 4 prompts x 4 samples fit the KV cache: none was preempted, and most decoded side by side (a
+    # completion that ends on its first token leaves before the engine step that counts the peak)
+    assert column(rows, "rollout/preemptions") == [0.0, 0.0]
+    peaks = column(rows, "rollout/max_running")
+    assert all(8 < running <= 16 for running in peaks), peaks
     # co-training steps ran on finite losses, below the untrained draft's (which is about ln(vocab) per pass)
     draft_losses = column(rows, "draft/loss")
     untrained = untrained_draft_loss(run_dir, load_config("tiny_cpu", [f"trainer.run_dir={run_dir}", *TINY]))

@@ -18,6 +18,7 @@ from spectrain.rollout.speculation.controllers import BanditController, Concurre
 from spectrain.rollout.speculation.long_tail import LongTailPolicy, LongTailTrainer
 from spectrain.rollout.speculation.rule import ConcurrencyAwareRule
 from spectrain.rollout.step_loop import SpecController, StepRecord
+from tests.helpers import export_engine_models
 
 K_MAX = 4
 
@@ -99,19 +100,9 @@ def test_module_checkpoints_the_bandit_state():
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     pytest.importorskip("vllm")
-    from spectrain.models.eagle3 import Eagle3Config, Eagle3Draft, export_draft
-    from spectrain.models.hf_io import save_pretrained
-    from spectrain.models.llama import LlamaConfig, LlamaForCausalLM
     from spectrain.rollout.vllm.engine import VLLMRolloutEngine
-    from spectrain.tasks.tokenizer import save_tokenizer
 
-    root = tmp_path_factory.mktemp("step_loop")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    policy_dir = save_pretrained(LlamaForCausalLM(cfg), root / "policy")
-    save_tokenizer(policy_dir)
-    draft_dir = export_draft(Eagle3Draft(Eagle3Config.from_policy(cfg)), root / "draft", cfg)
+    policy_dir, draft_dir = export_engine_models(tmp_path_factory.mktemp("step_loop"))
     eng = VLLMRolloutEngine(policy_dir, draft_dir, num_speculative_tokens=K_MAX, spec_schedule=[(1, 1, K_MAX)],
                             max_model_len=128, kv_cache_gib=1)
     yield eng

@@ -16,6 +16,7 @@ from spectrain.models.eagle3 import Eagle3Config, Eagle3Draft, draft_sync_weight
 from spectrain.models.hf_io import save_pretrained
 from spectrain.parallel.plan import LocalPlan
 from spectrain.rollout.engine import SamplingConfig, SpecDecodeCounters
+from spectrain.rollout.engine_layout import EngineLayout
 from spectrain.rollout.vllm.engine import VLLMRolloutEngine
 from spectrain.tasks.tokenizer import CharTokenizer
 from tests.helpers import step_outputs, tiny_policy
@@ -96,7 +97,8 @@ class Module(SimpleNamespace):
 
 
 def module_for(engine, world, trains_draft=True):
-    return Module(engine=engine, plan=LocalPlan(), policy=world.policy, draft=world.draft, trains_draft=trains_draft,
+    return Module(engine=engine, engines=EngineLayout.single(), plan=LocalPlan(), policy=world.policy,
+                  draft=world.draft, trains_draft=trains_draft,
                   logged={}, rollout_stats=None, engine_logprob_diff=math.nan,
                   policy_weights_for_sync=lambda: policy_weights(world.policy),
                   draft_weights_for_sync=lambda: draft_sync_weights(world.draft))

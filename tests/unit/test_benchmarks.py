@@ -432,3 +432,35 @@ def test_bench_regime_decodes_at_full_agreement_and_writes_the_map(tmp_path):
     for p in size["points"]:
         assert p["acceptance_length"] > 3.9 and p["speedup"]["median"] > 0  # measured 4.00: nothing rejected
     assert "| 4 x 128 |" in (out / "regime.md").read_text() and (out / "regime.png").is_file()
+
+
+# bench rollout_scaling -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, message", [
+    (("steps=1",), "bench rollout_scaling: steps=1 rounds=2: give steps >= 2"),
+    (("rollout.tensor_parallel_size=3",), "bench rollout_scaling: rollout.tensor_parallel_size: is 3, which does not "
+                                          "divide the 2 ranks"),
+])
+def test_rollout_scaling_refuses_bad_options_before_any_work(capsys, args, message):
+    code, err = _bench(capsys, "rollout_scaling", *args)
+    assert code == 2 and err.startswith(f"error: {message}"), err
+
+
+def test_rollout_scaling_summary_pairs_the_rounds():
+    from benchmarks.rollout_scaling import summarise
+
+    def run(tokens_per_s: float, step_s: float) -> dict:
+        nan = float("nan")
+        return {"per_step": {"reward": [0.5, 0.5, 0.5], "time/step": [9.0, step_s, step_s],
+                             "rollout/seconds": [9.0, 0.5, 0.5],
+                             "rollout/tokens_per_s": [1.0, tokens_per_s, tokens_per_s],
+                             "draft/seconds": [nan, 0.2, 0.2], "time/weight_sync": [0.1, 0.1, 0.1],
+                             "spec/mean_acceptance_length": [3.0, 3.0, 3.0], "rollout/max_running": [64, 64, 64]}}
+
+    s = summarise({"rank0": [run(1000, 2.0), run(1200, 2.0)], "all": [run(1800, 1.6), run(1800, 1.6)]})
+    assert s["rounds"] == 2 and s["headline"]["two_engines_over_one"]["runs"] == [1.8, 1.5]
+    assert s["headline"]["step_two_engines_over_one"]["median"] == pytest.approx(1.25)
+    split = s["layouts"]["all"]
+    assert split["rollout_share"]["median"] == pytest.approx(0.5 / 1.6)
+    total = sum(split[f"{k}_share"]["median"] for k in ("rollout", "policy", "draft", "sync"))
+    assert total == pytest.approx(1.0)

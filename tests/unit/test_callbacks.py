@@ -12,6 +12,7 @@ from spectrain.models.eagle3 import Eagle3Config, Eagle3Draft
 from spectrain.models.llama import LlamaConfig, LlamaForCausalLM, pack_sequences
 from spectrain.parallel.plan import LocalPlan, draft_inputs_from, ttt_valid_tokens
 from spectrain.rollout.engine import Completion, ProbeResult, SpecDecodeCounters
+from spectrain.rollout.engine_layout import EngineLayout
 from tests.helpers import step_outputs
 
 
@@ -160,7 +161,7 @@ def trainer_at(step):
 
 def stats(drafts, accepted):
     spec = SpecDecodeCounters(drafts, 3 * drafts, accepted, [accepted, 0, 0])
-    return SimpleNamespace(spec=spec)
+    return SimpleNamespace(spec=spec, per_engine_acceptance=[spec.mean_acceptance_length])
 
 
 def sync_trainer(step):
@@ -172,7 +173,8 @@ def test_an_acceptance_of_nothing_is_dead_only_if_the_drafter_is_not_the_synced_
     probe = ProbeResult(0.0, [])  # what the engine's probe reports (a mock: this is the error path)
     engine = SimpleNamespace(sync_policy=lambda w, v: None, sync_draft=lambda w, v: None,
                              verify_weights=lambda w, which, rtol: probe)
-    module = Module(engine=engine, plan=LocalPlan(), policy=torch.nn.Linear(2, 2), draft=object(), trains_draft=True,
+    module = Module(engine=engine, engines=EngineLayout.single(), plan=LocalPlan(), policy=torch.nn.Linear(2, 2),
+                    draft=object(), trains_draft=True,
                     logged={}, rollout_stats=None, policy_weights_for_sync=lambda: [],
                     draft_weights_for_sync=lambda: [])
     callback = WeightSync(min_drafts_for_check=10)

@@ -180,7 +180,7 @@ def with_rollout(module, lengths, rewards):
     """`module` off any Trainer, its rollout the given completions (two per prompt) and rewards; what it logs."""
     completions = [Completion(i // 2, [1, 5], [7] * n, [-0.5] * n, True) for i, n in enumerate(lengths)]
     stats = RolloutStats(1.0, len(lengths), sum(lengths), SpecDecodeCounters(), LoadStats())
-    module.rollout = lambda examples, n, train_in_tail=False: (completions, rewards, stats)
+    module.rollout = lambda examples, n, purpose, greedy=False, train_in_tail=False: (completions, rewards, stats)
     module.trainer = SimpleNamespace(global_step=0, callbacks=[],
                                      strategy=SimpleNamespace(reduce=lambda t, reduce_op: t))
     logged = {}

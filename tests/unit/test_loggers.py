@@ -5,6 +5,7 @@ import glob
 import importlib.util
 import json
 import struct
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -77,6 +78,17 @@ def wandb_records(run_dir) -> list:
             records.append(record)
             chunk = b""
     return records
+
+
+def finished_wandb_records(run_dir, timeout_s: float = 60.0) -> list:
+    """The offline run's records once its `exit` record is on disk: `finish()` can return before wandb's
+    service process has flushed the file, on a loaded machine."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = wandb_records(run_dir)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.5)
 
 
 def test_logger_names_are_validated_with_the_fix():
@@ -179,7 +191,7 @@ def test_wandb_offline_logs_metrics_and_the_sample_table(tmp_path, monkeypatch):
 
     # a history item names its key in `key`, or (wandb >= 0.2x) as the path `nested_key`
     history = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
-               for r in wandb_records(run) if r.WhichOneof("record_type") == "history"]
+               for r in finished_wandb_records(run) if r.WhichOneof("record_type") == "history"]
     assert [(h["trainer/global_step"], h["reward"]) for h in history if "reward" in h] == [(1, 0.25), (2, 0.5)]
     tables = [h for h in history if h.get("samples/_type") == "table-file"]
     assert [h["trainer/global_step"] for h in tables] == [1, 2] and all(h["samples/nrows"] == 2 for h in tables)

@@ -84,7 +84,7 @@ def zigzag_shift_fn(layout: ZigzagLayout, group: dist.ProcessGroup) -> ShiftFn:
 
 
 class ContextParallelPlan:
-    """dp x cp, every rank a full replica; rank 0 drives the engine and broadcasts the rollout."""
+    """dp x cp, every rank a full replica; rank 0 shares what every rank must agree on."""
 
     hosts_draft = True  # each rank trains its draft replica on its shard; gradients are summed
 
@@ -150,5 +150,5 @@ class ContextParallelPlan:
         # gradients are identical on every replica after reduce_gradients: the local norm is the global one
         return torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)
 
-    def policy_weights(self, policy):
-        return LocalPlan().policy_weights(policy) if self.is_rollout_rank else None
+    def policy_weights(self, policy, everywhere: bool = False):
+        return LocalPlan().policy_weights(policy) if self.is_rollout_rank or everywhere else None

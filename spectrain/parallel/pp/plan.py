@@ -141,6 +141,16 @@ def _send(tensors: list[torch.Tensor], group: dist.ProcessGroup, dst: int) -> No
         dist.send(flatten_dense_tensors(bucket), group=group, group_dst=dst)
 
 
+def _broadcast_into(tensors: list[torch.Tensor], src: int) -> None:
+    """Rank `src`'s values of the same tensor list into every rank's `tensors`, in place (one bucket per dtype)."""
+    with torch.no_grad():
+        for bucket in by_dtype(tensors):
+            flat = flatten_dense_tensors(bucket)
+            dist.broadcast(flat, src=src)
+            for t, got in zip(bucket, unflatten_dense_tensors(flat, bucket)):
+                t.copy_(got)
+
+
 def _recv_into(tensors: list[torch.Tensor], group: dist.ProcessGroup, src: int) -> None:
     """Receive what `_send` sent from the same tensor list into `tensors`, in place."""
     for bucket in by_dtype(tensors):
@@ -290,31 +300,36 @@ class PipelinePlan:
         return total
 
     # weight sync -----------------------------------------------------------------------------
-    def policy_weights(self, policy):
-        """Every stage's weights, gathered into rank 0's full policy; its HF-named state dict there, None elsewhere."""
+    def policy_weights(self, policy, everywhere: bool = False):
+        """Every stage's weights, gathered into rank 0's full policy; its HF-named state dict there, None elsewhere
+        (`everywhere`: rank 0's full policy is then broadcast into every rank's)."""
+        self._gather_policy(policy)
+        if everywhere:
+            _broadcast_into(list(policy.state_dict().values()), ROLLOUT_RANK)
+        return LocalPlan().policy_weights(policy) if self.is_rollout_rank or everywhere else None
+
+    def _gather_policy(self, policy) -> None:
         if not self.gathers_weights:
-            return None
+            return
         stage_tensors = lambda s: list(split_policy(policy, self.num_stages, s).state_dict().values())  # noqa: E731
         if self.pp_rank != 0:
             for s in self._local_stage_indices():
                 _send(stage_tensors(s), self.pp_group, 0)
-            return None
+            return
         with torch.no_grad():
             for s in range(self.num_stages):
                 if s % self.pp_size:
                     _recv_into(stage_tensors(s), self.pp_group, s % self.pp_size)
-        return LocalPlan().policy_weights(policy)
 
-    def draft_weights(self, draft):
-        """The last stage's draft, received into rank 0's draft; its sync weights there, None elsewhere."""
-        if not self.gathers_weights:
-            return None
+    def draft_weights(self, draft, everywhere: bool = False):
+        """The last stage's draft, received into rank 0's draft; its sync weights there, None elsewhere
+        (`everywhere`: broadcast from rank 0 into every rank's draft)."""
         tensors = list(draft.state_dict().values())
-        if self.pp_rank == self.last_stage_rank:
+        if self.gathers_weights and self.pp_rank == self.last_stage_rank:
             _send(tensors, self.pp_group, 0)
-            return None
-        if self.pp_rank != 0:
-            return None
-        with torch.no_grad():
-            _recv_into(tensors, self.pp_group, self.last_stage_rank)
-        return LocalPlan().draft_weights(draft)
+        elif self.is_rollout_rank:
+            with torch.no_grad():
+                _recv_into(tensors, self.pp_group, self.last_stage_rank)
+        if everywhere:
+            _broadcast_into(tensors, ROLLOUT_RANK)
+        return LocalPlan().draft_weights(draft) if self.is_rollout_rank or everywhere else None

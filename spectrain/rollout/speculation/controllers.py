@@ -89,12 +89,6 @@ class BanditController(SpecController):
         self.selector.load_state_dict(state["selector"])
 
 
-def uses_step_loop(config: SpecTrainConfig) -> bool:
-    """Rollouts go through the step loop when `k` adapts or the long tail trains the draft."""
-    s = config.speculation
-    return config.draft.mode != "none" and (s.mode != "fixed" or s.long_tail.enabled)
-
-
 def engine_spec_schedule(config: SpecTrainConfig) -> list[tuple[int, int, int]] | None:
     """`spec_schedule` to start the engine with, so that a controller may change `k` at runtime."""
     if config.draft.mode == "none" or config.speculation.mode == "fixed":

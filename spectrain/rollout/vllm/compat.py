@@ -214,9 +214,9 @@ def quiet_reload_logs() -> None:
 
 
 # process groups ---------------------------------------------------------------------
-def init_process_groups(world_size: int, rank: int) -> None:
-    """vLLM's distributed environment and model-parallel groups (tensor and pipeline parallel size 1)
-    over the existing default process group."""
+def init_process_groups(world_size: int, rank: int, tensor_parallel_size: int) -> None:
+    """vLLM's distributed environment and model-parallel groups (TP groups of `tensor_parallel_size`
+    consecutive ranks, pipeline parallel size 1) over the existing default process group."""
     vllm_config = internal("vllm.config", "VllmConfig")
     set_current_vllm_config = internal("vllm.config", "set_current_vllm_config")
     init_distributed_environment = internal("vllm.distributed", "init_distributed_environment")
@@ -224,7 +224,7 @@ def init_process_groups(world_size: int, rank: int) -> None:
     backend = internal("vllm.platforms", "current_platform").dist_backend
     with set_current_vllm_config(vllm_config()):
         init_distributed_environment(world_size, rank, backend=backend)
-        ensure_model_parallel_initialized(1, 1)
+        ensure_model_parallel_initialized(tensor_parallel_size, 1)
 
 
 # the CPU kernel cpu_fixes replaces --------------------------------------------------

@@ -24,8 +24,10 @@ from spectrain.rollout.engine import (
     LoadStats,
     NamedTensors,
     ProbeResult,
+    Sampling,
     SamplingConfig,
     SpecDecodeCounters,
+    per_prompt,
 )
 from spectrain.rollout.vllm import compat
 from spectrain.rollout.vllm import cpu_fixes as vllm_cpu_fixes
@@ -115,7 +117,11 @@ class VLLMRolloutEngine:
         draft_dir: vLLM EAGLE-3 directory of the draft, or None for plain decoding.
         num_speculative_tokens: tokens the draft proposes per step.
         spec_schedule: optional vLLM `num_speculative_tokens_per_batch_size` ranges.
-        gpu_memory_utilization, tensor_parallel_size: vLLM's, used on CUDA (on CPU the KV cache is `kv_cache_gib`).
+        gpu_memory_utilization: vLLM's, used on CUDA (on CPU the KV cache is `kv_cache_gib`).
+        tensor_parallel_size: ranks per engine: with `external_launcher` this rank's TP group of the trainer's
+            ranks (on CPU too), else vLLM's own workers (CUDA only).
+        external_launcher: every rank of a multi-process run starts an engine (vLLM's external launcher, over the
+            process groups `prepare_process_groups` built); False: this process alone holds one.
         enforce_eager: no CUDA graphs; None: eager on CPU only.
         enable_prefix_caching: reuse a shared prompt's KV (reset after every weight sync); None: on with CUDA only.
         vllm_kwargs: more `vllm.LLM` arguments (not the ones set here).
@@ -133,6 +139,7 @@ class VLLMRolloutEngine:
         dtype: str = "float32",
         gpu_memory_utilization: float = 0.6,
         tensor_parallel_size: int = 1,
+        external_launcher: bool = False,
         enforce_eager: bool | None = None,
         enable_prefix_caching: bool | None = None,
         vllm_kwargs: dict | None = None,
@@ -150,9 +157,13 @@ class VLLMRolloutEngine:
                       enforce_eager=not on_cuda if enforce_eager is None else enforce_eager,
                       enable_prefix_caching=self.prefix_caching, disable_log_stats=False)
         if on_cuda:  # vLLM sizes the KV cache from its share of the GPU
-            kwargs.update(gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size)
+            kwargs.update(gpu_memory_utilization=gpu_memory_utilization)
         else:
             kwargs.update(kv_cache_memory_bytes=kv_bytes)
+        if external_launcher:  # one engine per TP group of the trainer's ranks (spectrain/rollout/engine_layout.py)
+            kwargs.update(distributed_executor_backend="external_launcher", tensor_parallel_size=tensor_parallel_size)
+        elif on_cuda:
+            kwargs.update(tensor_parallel_size=tensor_parallel_size)
         assert not set(vllm_kwargs or {}) & set(kwargs), "config.validate refuses what spectrain sets itself"
         assert set(kwargs) | {"speculative_config"} <= set(VLLM_KWARGS_SET_BY_SPECTRAIN)
         kwargs.update(vllm_kwargs or {})
@@ -212,11 +223,11 @@ class VLLMRolloutEngine:
                               min_tokens=sampling.min_tokens, stop_token_ids=list(sampling.stop_token_ids) or None,
                               logprobs=0)
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
-        """`sampling.n` completions per prompt, grouped by prompt in order."""
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
+        """`sampling.n` completions per prompt, grouped by prompt in order (one config, or one per prompt)."""
         from vllm.inputs import TokensPrompt
 
-        params = [self.sampling_params(sampling, len(p)) for p in prompts]
+        params = [self.sampling_params(c, len(p)) for c, p in zip(per_prompt(sampling, len(prompts)), prompts)]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return [completion for i, out in enumerate(outputs) for completion in to_completions(i, prompts[i], out)]
 
