@@ -91,12 +91,27 @@ class InterruptOnSignal:
             self._previous = {sig: signal.signal(sig, self._interrupt) for sig in _SIGNALS}
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, exc_type=None, exc=None, tb=None) -> None:
+        self._restore()
+        if isinstance(exc, _Interrupt):
+            raise exc.error from None
+
+    def _restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
 
     def _interrupt(self, signum: int, frame) -> None:
-        self.__exit__()  # a second signal gets the default behaviour
-        raise RunInterrupted(f"stopped by {signal.Signals(signum).name} during {self.phase}. Run the same command "
-                             f"again to continue.", signum)
+        self._restore()  # a second signal gets the default behaviour
+        raise _Interrupt(RunInterrupted(f"stopped by {signal.Signals(signum).name} during {self.phase}. Run the same "
+                                        f"command again to continue.", signum))
+
+
+class _Interrupt(BaseException):
+    """Carries the `RunInterrupted` out of the frame the signal landed in. A BaseException, like KeyboardInterrupt,
+    so that no `except Exception` on the way (vLLM's start-up has many) swallows the signal; the `with` block
+    turns it back into the `RunInterrupted` the CLI reports."""
+
+    def __init__(self, error: RunInterrupted) -> None:
+        super().__init__(str(error))
+        self.error = error

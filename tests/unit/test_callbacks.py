@@ -248,6 +248,25 @@ def test_stop_on_signal_checkpoints_at_the_step_boundary(tmp_path):
     assert signal.getsignal(signal.SIGTERM) == before
 
 
+def test_a_signal_outside_the_loop_is_not_swallowed_by_an_except_exception_in_the_code_it_lands_in():
+    import os
+    import signal
+
+    from spectrain.callbacks import InterruptOnSignal, RunInterrupted
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(RunInterrupted) as stopped:
+        with InterruptOnSignal() as signals:
+            signals.phase = "the engine start"
+            try:  # as in much of vLLM's start-up
+                os.kill(os.getpid(), signal.SIGTERM)
+            except Exception:
+                pass
+            raise AssertionError("the signal was swallowed")
+    assert stopped.value.exit_code == 143 and "SIGTERM during the engine start" in str(stopped.value)
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
 def test_every_overridden_hook_says_so():
     """Lightning's convention: `@override` on each hook, so a renamed hook fails loudly instead of never running."""
     from lightning.pytorch.callbacks import Callback
