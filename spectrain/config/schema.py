@@ -106,8 +106,8 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.6  # vLLM on CUDA: share of the GPU for weights + KV cache (CPU: kv_cache_gib)
     tensor_parallel_size: int = 1  # ranks per vLLM engine: W / T engines in a run of W ranks (1: one on every rank)
     # all: one vLLM engine per TP group of ranks, each serving its share of the prompts; rank0: one engine in rank
-    # 0's process (the others wait for its rollout); auto: all, except for the torch engine and the step loop's
-    # adaptive modes (speculation.mode concurrency|bandit, speculation.long_tail), which drive one engine on rank 0
+    # 0's process (the others wait for its rollout); auto: all, except for the torch engine, which runs on rank 0
+    # (adaptive k runs the engines' step loops in lockstep; long-tail spot training runs on one rank only)
     engine_ranks: str = "auto"
     # vLLM's CUDA graphs off (eager); None: true on CPU (vLLM-cpu has no graphs to capture), false on CUDA
     enforce_eager: bool | None = None
@@ -294,5 +294,5 @@ def engines_on_every_rank(config: SpecTrainConfig) -> bool:
     """`rollout.engine_ranks` resolved: one vLLM engine per TP group of ranks (True), or one on rank 0 (False)."""
     r = config.rollout
     if r.engine_ranks == "auto":
-        return r.engine == "vllm" and not uses_step_loop(config)
+        return r.engine == "vllm"
     return r.engine_ranks == "all"

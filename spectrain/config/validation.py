@@ -19,7 +19,6 @@ from spectrain.config.schema import (
     VLLM_KWARGS_SET_BY_SPECTRAIN,
     SpecTrainConfig,
     engines_on_every_rank,
-    uses_step_loop,
 )
 from spectrain.errors import ConfigError, warn_input
 from spectrain.tasks.rewards import REWARD_FNS
@@ -170,17 +169,13 @@ def _check_torch_engine(c: SpecTrainConfig) -> None:
 
 def _check_engine_groups(c: SpecTrainConfig) -> None:
     """`rollout.engine_ranks=all` starts one vLLM engine per TP group of `rollout.tensor_parallel_size` ranks: the
-    groups must tile the ranks. The torch engine and the step loop's controllers (adaptive k, long-tail spot
-    updates) drive one engine, on rank 0."""
+    groups must tile the ranks (adaptive k keeps their step loops in lockstep). The torch engine drives one engine,
+    on rank 0 (long-tail spot training is refused above one rank, so it always has one engine)."""
     r, p, tp = c.rollout, c.parallel, c.rollout.tensor_parallel_size
     _one_of(r.engine_ranks, "rollout.engine_ranks", ENGINE_RANKS)
     if r.engine_ranks == "all":
         _require(r.engine == "vllm", "rollout.engine_ranks", "is all, but rollout.engine=torch runs one engine on "
                  "rank 0; set rollout.engine_ranks=auto (or rank0), or rollout.engine=vllm")
-        _require(not uses_step_loop(c), "rollout.engine_ranks", f"is all, but speculation.mode={c.speculation.mode}"
-                 f"{' with speculation.long_tail' if c.speculation.long_tail.enabled else ''} steps one engine "
-                 f"between scheduler iterations, on rank 0; set rollout.engine_ranks=auto (or rank0), or "
-                 f"speculation.mode=fixed and speculation.long_tail.enabled=false for one engine per TP group")
     world = p.dp * p.cp * p.pp
     if world == 1 or not engines_on_every_rank(c):
         return

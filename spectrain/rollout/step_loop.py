@@ -15,6 +15,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
+import torch.distributed as dist
+
 from spectrain.rollout.engine import Completion, Sampling, per_prompt
 from spectrain.rollout.vllm import compat
 from spectrain.rollout.vllm.engine import VLLMRolloutEngine, to_completions
@@ -85,6 +88,35 @@ class SpecController:
         pass
 
 
+class EngineLockstep:
+    """The step loops of several engines (one per rank or TP group) stepped together over the default process group.
+
+    Before each engine step every rank learns the largest live batch of any engine (the busiest engine bounds the
+    step, and its verify cost is the one the concurrency rule must keep within budget) and whether any engine has
+    requests left; an engine that is done waits in the loop until every engine is. After each step the record is
+    reduced: counts summed over the engine leaders (a TP group's ranks report the same engine once), time the
+    slowest engine's. The controllers are deterministic given what they see (the bandit's generator is seeded the
+    same on every rank), so every engine gets the same `k` at every step. Two small collectives per engine step.
+    """
+
+    def __init__(self, is_leader: bool) -> None:
+        self.is_leader = is_leader
+
+    def before_step(self, live: int, unfinished: bool) -> tuple[int, bool]:
+        busiest = torch.tensor([live, int(unfinished)], dtype=torch.int64)
+        dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
+        return int(busiest[0]), bool(busiest[1])
+
+    def after_step(self, record: StepRecord) -> StepRecord:
+        counts = torch.tensor([record.drafts, record.draft_tokens, record.accepted, record.tokens]
+                              if self.is_leader else [0, 0, 0, 0], dtype=torch.int64)
+        slowest = torch.tensor([record.seconds], dtype=torch.float64)
+        dist.all_reduce(counts)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        drafts, draft_tokens, accepted, tokens = counts.tolist()
+        return StepRecord(record.live, record.k, drafts, draft_tokens, accepted, float(slowest), tokens)
+
+
 class IdleStepHook(Protocol):
     """Work that may run between engine steps (e.g. long-tail draft training)."""
 
@@ -99,6 +131,7 @@ def generate_stepwise(
     sampling: Sampling,
     controller: SpecController | None = None,
     idle_hook: IdleStepHook | None = None,
+    lockstep: EngineLockstep | None = None,
 ) -> StepLoopResult:
     """`engine.generate(prompts, sampling)` one engine step at a time.
 
@@ -107,6 +140,8 @@ def generate_stepwise(
         controller: sets `k` before every step (`engine.set_num_speculative_tokens`); the
             engine must then have been started with a per-batch-size schedule.
         idle_hook: called between steps with the live batch size while requests remain.
+        lockstep: with one engine per rank (or TP group), steps every engine's loop together, so that the
+            controller sees the same live batch and record on every rank and sets the same `k` everywhere.
 
     The controller's last `k` stays in effect after the loop.
     """
@@ -115,6 +150,7 @@ def generate_stepwise(
     configs = per_prompt(sampling, len(prompts))
     llm_engine = compat.stepped_engine(engine.llm)
     engine.in_process_scheduler()  # fail early, before adding requests, if the core is out of process
+    assert lockstep is None or idle_hook is None, "spot training runs one engine's step loop, not engines in lockstep"
     for hook in (controller, idle_hook):
         if hook is not None:
             hook.begin_rollout()
@@ -125,19 +161,26 @@ def generate_stepwise(
     reports: list[compat.StepStats] = []  # of the current engine step
     tap = compat.add_stats_tap(engine.llm, reports.append)
     try:
-        while llm_engine.has_unfinished_requests():
-            live = min(llm_engine.get_num_unfinished_requests(), engine.max_num_seqs)
+        while True:
+            here = llm_engine.has_unfinished_requests()
+            live = min(llm_engine.get_num_unfinished_requests(), engine.max_num_seqs) if here else 0
+            live, any_left = (live, here) if lockstep is None else lockstep.before_step(live, here)
+            if not any_left:
+                break
             if controller is not None:
                 k = controller.before_step(live)
                 if k != engine.speculative_tokens_for(live):
                     engine.set_num_speculative_tokens(k)
             reports.clear()
             started = time.perf_counter()
-            finished += [out for out in llm_engine.step() if out.finished]
+            if here:  # in lockstep, an engine that is done waits for the others
+                finished += [out for out in llm_engine.step() if out.finished]
             seconds = time.perf_counter() - started
             step = sum(reports, compat.StepStats())
             record = StepRecord(live, engine.speculative_tokens_for(live), step.drafts, step.draft_tokens,
                                 step.accepted, seconds, step.generated)
+            if lockstep is not None:
+                record = lockstep.after_step(record)
             trace.append(record)
             if controller is not None:
                 controller.after_step(record)

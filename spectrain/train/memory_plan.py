@@ -2,7 +2,7 @@
 
 The plan is for the busiest GPU: one that holds its training share and also hosts a rollout engine (vLLM runs
 inside the trainer's processes: one engine per TP group of `rollout.tensor_parallel_size` GPUs, so every GPU
-hosts its part of one; `rollout.engine_ranks=rank0`, the torch engine and the step loop's adaptive modes keep
+hosts its part of one; `rollout.engine_ranks=rank0` and the torch engine keep
 one engine on rank 0). Every row is in bytes and the total is their plain sum: what is resident at the policy
 backward's peak (the start of a micro-batch's backward), where the micro-batch's activations, one logits chunk
 and the draft's inputs are live at once. Nothing is measured: the numbers are these formulas on the checkpoint's

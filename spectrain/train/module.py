@@ -33,6 +33,7 @@ from spectrain.rollout.engine import Completion, LoadStats, RolloutEngine, Sampl
 from spectrain.rollout.engine_layout import EngineLayout, EngineRollout, merge, seeded_configs
 from spectrain.rollout.speculation.long_tail import LongTailPolicy, LongTailTrainer
 from spectrain.rollout.speculation.stepwise import StepwiseRollouts
+from spectrain.rollout.step_loop import EngineLockstep
 from spectrain.tasks.rewards import reward_inputs, reward_name, score_batch
 from spectrain.train.draft_update import DraftUpdate, warn_if_skipped
 from spectrain.train.grpo import group_advantages, grpo_loss, lr_lambda, minibatch_documents, overlong_penalty
@@ -243,8 +244,9 @@ class GRPOModule(L.LightningModule):
         """`engine.generate`, or the step loop when `k` adapts per step or the long tail trains the draft."""
         if self.stepwise is None:
             return self.engine.generate(prompts, sampling)
+        lockstep = EngineLockstep(self.engines.is_leader) if self.engines.ranks_with_engines > 1 else None
         return self.stepwise.generate(self.engine, prompts, sampling,
-                                      self.long_tail_trainer() if train_in_tail else None)
+                                      self.long_tail_trainer() if train_in_tail else None, lockstep)
 
     def long_tail_trainer(self) -> LongTailTrainer | None:
         """Spot updates of the draft on the previous step's taps; None until there are taps to train on."""

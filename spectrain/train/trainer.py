@@ -211,7 +211,7 @@ class SpecTrainer:
 
     def engine_layout(self) -> EngineLayout:
         """One vLLM engine per TP group of `rollout.tensor_parallel_size` ranks, or one on rank 0 alone
-        (`rollout.engine_ranks`: rank0, and auto for the torch engine and the step loop's adaptive modes)."""
+        (`rollout.engine_ranks`: rank0, and auto for the torch engine)."""
         if self.strategy is None:
             return EngineLayout.single()
         rank = self.strategy.global_rank

@@ -110,10 +110,10 @@ def test_micro_batches_reproduce_the_whole_batch_step(micro_batch_tokens):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dp,cp,micro_batch_tokens", [(1, 2, None), (2, 1, None), (2, 2, None), (2, 2, 1), (2, 2, 20)])
+@pytest.mark.parametrize("dp,cp,micro_batch_tokens", [(1, 2, None), (2, 1, None), (2, 2, None), (2, 2, 1)])
 def test_plan_matches_local_plan(dp, cp, micro_batch_tokens):
     """Policy loss and gradients, draft loss, metrics and gradients equal LocalPlan's (float64), whole and in
-    micro-batches (the budget is per rank: 20 packs about 40 tokens of documents per cp group)."""
+    micro-batches (the budget is per rank; 1 token is the extreme: every document in its own micro-batch)."""
     want = _reference()
     assert want["draft_metrics"][2, 0] > 0 and want["policy_loss"] != 0
     for rank, got in enumerate(run_distributed(_plan_worker, dp * cp, dp, cp, micro_batch_tokens, timeout=240)):

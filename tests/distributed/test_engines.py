@@ -3,7 +3,8 @@
 - 2 ranks x 1 engine each: each engine serves its contiguous share of the prompts with per-request seeds; the
   gathered rollout equals what one engine returns for the whole batch (greedy and sampled), GRPO groups intact;
   the counters are the sum over the engines; after a sync both engines pass the weight probe, and a fault on
-  engine 1 alone is caught and named.
+  engine 1 alone is caught and named; a bandit on each rank over the lockstepped step loop sets the same k on
+  both engines at every engine step.
 - TP=2 over 2 ranks: one engine, both ranks submit the same requests and get the same tokens, without a hang.
 """
 from __future__ import annotations
@@ -39,8 +40,8 @@ def _start_engine(rank: int, world: int, tp: int, models):
     torch.set_num_threads(1)
     prepare_process_groups(tp)
     policy_dir, draft_dir = models
-    engine = VLLMRolloutEngine(policy_dir, draft_dir, num_speculative_tokens=3, max_model_len=64, kv_cache_gib=1,
-                               tensor_parallel_size=tp, external_launcher=True)
+    engine = VLLMRolloutEngine(policy_dir, draft_dir, num_speculative_tokens=3, spec_schedule=[(1, 1, 3)],
+                               max_model_len=64, kv_cache_gib=1, tensor_parallel_size=tp, external_launcher=True)
     return engine, EngineLayout(world // tp, tp, rank)
 
 
@@ -76,6 +77,7 @@ def _two_engines(rank: int, world: int, models):
         parts = layout.gather(_rollout(engine, layout, sampling, layout.prompt_range(PROMPTS)))
         whole = _rollout(engine, layout, sampling, range(PROMPTS))  # this engine alone, the whole batch
         out[name] = dict(merged=merge(parts), parts=parts, alone=whole)
+    out["lockstep"] = _adaptive_in_lockstep(engine, layout)
 
     # sync: every engine loads the same new weights and passes the probe; then engine 1 alone gets a fault
     policy = load_pretrained(models[0])
@@ -95,9 +97,28 @@ def _two_engines(rank: int, world: int, models):
     return out
 
 
+def _adaptive_in_lockstep(engine, layout):
+    """A bandit on each rank over the lockstepped step loop. Engine 0 gets 1 prompt for 3 tokens and engine 1 gets 5
+    for MAX_TOKENS, so engine 0 finishes first and waits for engine 1."""
+    from spectrain.rollout.speculation.bandit import BanditSelector, SpecArm
+    from spectrain.rollout.speculation.controllers import BanditController
+    from spectrain.rollout.step_loop import EngineLockstep, generate_stepwise
+
+    share = range(1) if layout.engine_index == 0 else range(1, PROMPTS)
+    controller = BanditController(BanditSelector([SpecArm(k) for k in (1, 2, 3)], epsilon=0.5, seed=0, min_plays=1))
+    greedy = SamplingConfig(n=1, max_tokens=3 if layout.engine_index == 0 else MAX_TOKENS, temperature=0.0)
+    prompts = _prompts()
+    result = generate_stepwise(engine, [prompts[i] for i in share], greedy, controller,
+                               lockstep=EngineLockstep(layout.is_leader))
+    completions = [(share[c.prompt_index], c.token_ids) for c in result.completions]
+    return dict(trace=result.trace, tokens=completions, selector=controller.selector.state_dict(),
+                decisions=controller.decisions)
+
+
 def test_two_engines_serve_one_rollout_sync_and_are_probed_each(tmp_path):
     models = export_engine_models(tmp_path)
     results = run_distributed(_two_engines, 2, models, timeout=600)
+    got_greedy = results[0]["greedy"]["merged"]
     for name in ("greedy", "sampled"):
         got = [r[name] for r in results]
         merged, alone = got[0]["merged"], got[0]["alone"]
@@ -113,6 +134,15 @@ def test_two_engines_serve_one_rollout_sync_and_are_probed_each(tmp_path):
         assert merged.spec.num_drafts == parts[0].spec.num_drafts + parts[1].spec.num_drafts > 0
         assert merged.spec.num_accepted_tokens == sum(p.spec.num_accepted_tokens for p in parts)
         assert merged.per_engine_acceptance == [p.spec.mean_acceptance_length for p in parts]
+    # adaptive k in lockstep: the same records, decisions and bandit state on both ranks, so the same k on both
+    # engines at every engine step, past the step where engine 0 ran out of requests; speculation stays lossless
+    steps = [r["lockstep"] for r in results]
+    assert steps[0]["trace"] == steps[1]["trace"] and steps[0]["decisions"] == steps[1]["decisions"]
+    assert steps[0]["selector"] == steps[1]["selector"]
+    assert len({r.k for r in steps[0]["trace"]}) > 1, steps[0]["trace"]  # the bandit explored: k changed
+    assert sum(r.drafts for r in steps[0]["trace"]) > 0
+    whole = _tokens(got_greedy.completions)
+    assert steps[0]["tokens"] == [(0, whole[0][1][:3])] and steps[1]["tokens"] == whole[1:]
     for r in results:
         assert r["probe_after_sync"] == []
         found = r["probe_after_fault"]  # the same on both ranks: engine 1 only, named

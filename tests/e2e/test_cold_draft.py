@@ -29,8 +29,7 @@ def asset_cache(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-@pytest.mark.parametrize("mode", ["cotrained", "frozen"])
-@pytest.mark.parametrize("init", ["scratch", "path"])
+@pytest.mark.parametrize("init,mode", [("scratch", "cotrained"), ("path", "frozen")])  # each init and mode once
 def test_a_cold_draft_runs_and_is_warned_about_once(tmp_path, asset_cache, monkeypatch, mode, init):
     monkeypatch.setenv("SPECTRAIN_CACHE", str(asset_cache))
     run = tmp_path / "run"

@@ -57,12 +57,13 @@ def test_merged_counters_are_summed_and_the_slowest_engine_sets_the_time():
 def test_engine_ranks_resolve_and_bad_values_name_the_fix():
     assert engines_on_every_rank(load_config("tiny_cpu", ["parallel.dp=2"]))
     assert not engines_on_every_rank(load_config("tiny_cpu", ["parallel.dp=2", "rollout.engine_ranks=rank0"]))
-    assert not engines_on_every_rank(load_config("tiny_cpu_bandit", ["parallel.dp=2"]))  # its controller: rank 0
+    assert engines_on_every_rank(load_config("tiny_cpu_bandit", ["parallel.dp=2"]))  # in lockstep
     assert not engines_on_every_rank(load_config("tiny_cpu", ["rollout.engine=torch", "draft.mode=none"]))
     with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size: is 3, which does not divide the 4 ranks"):
         load_config("tiny_cpu", ["parallel.dp=4", "rollout.tensor_parallel_size=3"])
-    with pytest.raises(ConfigError, match=r"rollout.engine_ranks: is all, but speculation.mode=bandit .* rank 0"):
-        load_config("tiny_cpu_bandit", ["parallel.dp=2", "rollout.engine_ranks=all"])
+    with pytest.raises(ConfigError, match=r"rollout.engine_ranks: is all, but rollout.engine=torch"):
+        load_config("tiny_cpu", ["parallel.dp=2", "rollout.engine_ranks=all", "rollout.engine=torch",
+                                 "draft.mode=none"])
     with pytest.raises(ConfigError, match=r"rollout.engine_ranks"):
         load_config("tiny_cpu", ["rollout.engine_ranks=every"])
     load_config("tiny_cpu", ["parallel.dp=4", "rollout.tensor_parallel_size=3", "rollout.engine_ranks=rank0"])

@@ -3,7 +3,8 @@
 `GRPOModule` hands a rollout here when `k` adapts per engine step or the long tail trains the
 draft (`uses_step_loop`). The controller is built on the first rollout (it needs the live
 engine and the verify budget C) and its state is checkpointed, so a resumed bandit continues
-from what it learned.
+from what it learned. With an engine on every rank, each rank runs its own controller on the
+lockstepped loop's shared view, so every engine gets the same `k` at every engine step.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from spectrain.config import SpecTrainConfig
 from spectrain.rollout.engine import Completion, RolloutEngine, SamplingConfig
 from spectrain.rollout.speculation.controllers import build_controller
 from spectrain.rollout.speculation.long_tail import LongTailTrainer
-from spectrain.rollout.step_loop import SpecController, generate_stepwise
+from spectrain.rollout.step_loop import EngineLockstep, SpecController, generate_stepwise
 
 
 class StepwiseRollouts:
@@ -24,12 +25,12 @@ class StepwiseRollouts:
         self.metrics: dict[str, float] = {}  # of the last rollout
 
     def generate(self, engine: RolloutEngine, prompts: list[list[int]], sampling: SamplingConfig,
-                 spot: LongTailTrainer | None) -> list[Completion]:
+                 spot: LongTailTrainer | None, lockstep: EngineLockstep | None = None) -> list[Completion]:
         if self.controller is None and self.config.speculation.mode != "fixed":
             self.controller = build_controller(self.config, engine, self.config.trainer.run_dir)
             if self._state is not None:
                 self.controller.load_state_dict(self._state)
-        result = generate_stepwise(engine, prompts, sampling, self.controller, spot)
+        result = generate_stepwise(engine, prompts, sampling, self.controller, spot, lockstep)
         steps = max(len(result.trace), 1)
         self.metrics = {"rollout/engine_steps": float(len(result.trace)),
                         "spec/k_mean": sum(r.k for r in result.trace) / steps}
