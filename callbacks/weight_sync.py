@@ -70,6 +70,7 @@ class WeightSync(Callback):
         self.mismatches = 0
         self.speculation_disabled = False
         self.recent_gains: deque[float] = deque(maxlen=window)
+        self._woke = False  # the engine woke from sleep mode before the rollout the next check reads
         self.warned: set[str] = set()  # the poor-draft warnings given ("cold", "worse"): each once per run
         self._draft_sent: list = []  # the last draft sync's tensors (CPU copies, ranks with an engine): what the probe
         # expects
@@ -89,11 +90,18 @@ class WeightSync(Callback):
         if self.check_alive and not self.speculation_disabled:
             self._check_speculation(trainer, pl_module, step.rollout.spec)
         started = time.perf_counter()
+        self._woke = self._wake(pl_module) or self._woke
         self.push(trainer, pl_module, draft=pl_module.trains_draft)
         pl_module.log_dict({"time/weight_sync": time.perf_counter() - started,
                             "sync/mismatches": float(self.mismatches)}, on_step=True, batch_size=1)
 
     # sync -----------------------------------------------------------------------------
+    def _wake(self, pl_module) -> bool:
+        """Wake every engine from sleep mode before the sync; whether any had slept (the same on every rank)."""
+        engines = pl_module.engines
+        slept = pl_module.engine.wake_up() if pl_module.engine is not None else False
+        return any(engines.gather(slept))
+
     def push(self, trainer, pl_module, draft: bool) -> None:
         """Send the policy (and the draft) to the engine as version `global_step`, and verify both.
 
@@ -167,6 +175,12 @@ class WeightSync(Callback):
 
     def _check_speculation(self, trainer, pl_module, spec) -> None:
         if spec.num_drafts < self.min_drafts_for_check:
+            return
+        woke, self._woke = self._woke, False
+        if woke and spec.num_accepted_tokens == 0:
+            self._dead(trainer, pl_module, f"after the engine woke from sleep mode (rollout.enable_sleep_mode), "
+                                           f"acceptance length is exactly 1.00 over {spec.num_drafts} drafts: the "
+                                           f"drafter was lost on wake (set rollout.enable_sleep_mode=false)")
             return
         gain = spec.mean_acceptance_length - 1.0
         baseline = statistics.median(self.recent_gains) if len(self.recent_gains) >= 3 else None

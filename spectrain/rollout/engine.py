@@ -124,6 +124,14 @@ class RolloutEngine(Protocol):
 
     def disable_speculation(self) -> None: ...
 
+    def sleep(self) -> None:
+        """Free the engine's accelerator memory while the trainer trains (`rollout.enable_sleep_mode`)."""
+        ...
+
+    def wake_up(self) -> bool:
+        """Undo `sleep` before the weight sync; whether the engine had slept."""
+        ...
+
     def without_speculation(self) -> AbstractContextManager[None]:
         """Plain decoding inside the block; the speculation schedule as it was after it."""
         ...

@@ -244,6 +244,13 @@ class TorchSamplingEngine:
     def without_speculation(self) -> AbstractContextManager[None]:
         return nullcontext()  # it decodes plainly anyway
 
+    def sleep(self) -> None:
+        """Nothing to free: the policy copy is small beside the trainer's (and shares its device)."""
+
+    def wake_up(self) -> bool:
+        """Nothing was freed."""
+        return False
+
     def shutdown(self) -> None:
         self.policy = None
         if self.device.type == "cuda":

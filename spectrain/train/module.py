@@ -296,6 +296,8 @@ class GRPOModule(L.LightningModule):
                                                      train_in_tail=True)
         assert all(len(c.logprobs) == len(c.token_ids) for c in completions), (
             "the rollout engine must return each sampled token's logprob: they are GRPO's old policy")
+        if self.engine is not None:  # None on a rank without an engine
+            self.engine.sleep()  # rollout.enable_sleep_mode: WeightSync wakes it before the sync
         shaped = rewards
         if g.overlong_buffer_len > 0:  # DAPO: the advantages see the penalty; `rewards` (logged) stay the task's
             penalty = overlong_penalty(torch.tensor([len(c.token_ids) for c in completions]),

@@ -186,7 +186,8 @@ class SpecTrainer:
                                  gpu_memory_utilization=r.gpu_memory_utilization,
                                  tensor_parallel_size=r.tensor_parallel_size,
                                  external_launcher=self.engines.ranks_with_engines > 1, enforce_eager=r.enforce_eager,
-                                 enable_prefix_caching=r.enable_prefix_caching, vllm_kwargs=dict(r.vllm_kwargs))
+                                 enable_prefix_caching=r.enable_prefix_caching,
+                                 enable_sleep_mode=r.enable_sleep_mode, vllm_kwargs=dict(r.vllm_kwargs))
 
     def build_strategy(self):
         """The multi-process strategy (process group, mesh, plan) when the run spans processes, else None."""

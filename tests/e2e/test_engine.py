@@ -70,6 +70,14 @@ def test_missing_policy_dir_is_a_clear_error(tmp_path):
         VLLMRolloutEngine(tmp_path / "nope")
 
 
+def test_sleep_mode_on_cpu_is_refused_with_the_key_before_vllm_starts(tiny_policy_dir):
+    from spectrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"rollout.enable_sleep_mode: is true, but vLLM's sleep mode needs CUDA .* "
+                                          r"set rollout.enable_sleep_mode=false"):
+        VLLMRolloutEngine(tiny_policy_dir, enable_sleep_mode=True)
+
+
 @pytest.mark.slow
 def test_engine_start_failure_says_how_to_fix(tiny_policy_dir):
     with pytest.raises(RolloutEngineError, match="max_model_len"):

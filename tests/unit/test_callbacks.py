@@ -172,7 +172,7 @@ def sync_trainer(step):
 def test_an_acceptance_of_nothing_is_dead_only_if_the_drafter_is_not_the_synced_draft(fault):
     probe = ProbeResult(0.0, [])  # what the engine's probe reports (a mock: this is the error path)
     engine = SimpleNamespace(sync_policy=lambda w, v: None, sync_draft=lambda w, v: None,
-                             verify_weights=lambda w, which, rtol: probe)
+                             verify_weights=lambda w, which, rtol: probe, wake_up=lambda: False)
     module = Module(engine=engine, engines=EngineLayout.single(), plan=LocalPlan(), policy=torch.nn.Linear(2, 2),
                     draft=object(), trains_draft=True,
                     logged={}, rollout_stats=None, policy_weights_for_sync=lambda: [],
@@ -191,6 +191,27 @@ def test_an_acceptance_of_nothing_is_dead_only_if_the_drafter_is_not_the_synced_
     with pytest.warns(UserWarning, match="the engine serves the synced draft"):
         callback.on_train_batch_end(sync_trainer(2), module, step_outputs(module), None, 0)
     assert not callback.speculation_disabled
+
+
+def test_an_acceptance_of_nothing_after_a_wake_from_sleep_mode_is_dead_even_with_the_synced_draft():
+    """rollout.enable_sleep_mode: WeightSync wakes the engine before each sync; a rollout after a wake that accepts
+    nothing means the drafter was lost on wake, whatever the probe says (a stand-in engine: the error path)."""
+    woke = []
+    engine = SimpleNamespace(sync_policy=lambda w, v: None, sync_draft=lambda w, v: None,
+                             verify_weights=lambda w, which, rtol: ProbeResult(0.0, []),
+                             wake_up=lambda: woke.append(1) or True)
+    module = Module(engine=engine, engines=EngineLayout.single(), plan=LocalPlan(), policy=torch.nn.Linear(2, 2),
+                    draft=object(), trains_draft=True, logged={}, rollout_stats=None,
+                    policy_weights_for_sync=lambda: [], draft_weights_for_sync=lambda: [])
+    callback = WeightSync(min_drafts_for_check=10)
+    callback.on_train_start(sync_trainer(0), module)
+    module.rollout_stats = stats(drafts=50, accepted=7)  # before any wake: checked as usual
+    callback.on_train_batch_end(sync_trainer(1), module, step_outputs(module), None, 0)
+    assert woke == [1]  # woken before the step-1 sync
+    module.rollout_stats = stats(drafts=50, accepted=0)
+    with pytest.raises(SpeculationDeadError, match=r"woke from sleep mode .* exactly 1\.00 over 50 drafts: the "
+                                                   r"drafter was lost on wake \(set rollout.enable_sleep_mode=false"):
+        callback.on_train_batch_end(sync_trainer(2), module, step_outputs(module), None, 0)
 
 
 def test_acceptance_logger_logs_deltas(tmp_path):

@@ -124,6 +124,8 @@ class VLLMRolloutEngine:
             process groups `prepare_process_groups` built); False: this process alone holds one.
         enforce_eager: no CUDA graphs; None: eager on CPU only.
         enable_prefix_caching: reuse a shared prompt's KV (reset after every weight sync); None: on with CUDA only.
+        enable_sleep_mode: `sleep` offloads the weights and frees the KV cache while the trainer trains (level 1);
+            None: on with CUDA only (vLLM's sleep mode needs CUDA's allocator).
         vllm_kwargs: more `vllm.LLM` arguments (not the ones set here).
     """
 
@@ -142,11 +144,17 @@ class VLLMRolloutEngine:
         external_launcher: bool = False,
         enforce_eager: bool | None = None,
         enable_prefix_caching: bool | None = None,
+        enable_sleep_mode: bool | None = None,
         vllm_kwargs: dict | None = None,
     ) -> None:
         kv_bytes = _prepare_environment(kv_cache_gib)
         on_cuda = _on_cuda()
         self.prefix_caching = on_cuda if enable_prefix_caching is None else enable_prefix_caching
+        if enable_sleep_mode and not on_cuda:
+            raise ConfigError("rollout.enable_sleep_mode: is true, but vLLM's sleep mode needs CUDA and this engine "
+                              "runs on CPU; set rollout.enable_sleep_mode=false or leave it unset (on with CUDA only)")
+        self.sleep_mode = on_cuda if enable_sleep_mode is None else enable_sleep_mode
+        self.asleep = False
         self.policy_dir, self.draft_dir = Path(policy_dir), (Path(draft_dir) if draft_dir else None)
         self.max_model_len = max_model_len
         self.num_speculative_tokens = num_speculative_tokens if draft_dir else 0
@@ -156,6 +164,8 @@ class VLLMRolloutEngine:
         kwargs = dict(model=str(policy_dir), dtype=dtype, max_model_len=max_model_len, seed=seed,
                       enforce_eager=not on_cuda if enforce_eager is None else enforce_eager,
                       enable_prefix_caching=self.prefix_caching, disable_log_stats=False)
+        if self.sleep_mode:
+            kwargs.update(enable_sleep_mode=True)
         if on_cuda:  # vLLM sizes the KV cache from its share of the GPU
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization)
         else:
@@ -230,6 +240,22 @@ class VLLMRolloutEngine:
         params = [self.sampling_params(c, len(p)) for c, p in zip(per_prompt(sampling, len(prompts)), prompts)]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return [completion for i, out in enumerate(outputs) for completion in to_completions(i, prompts[i], out)]
+
+    # sleep mode -----------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Level 1 while the trainer trains: the weights (target and drafter) to host memory, the KV cache freed. A
+        no-op without sleep mode."""
+        if self.sleep_mode and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake_up(self) -> bool:
+        """Back on the GPU before the weight sync loads new weights; whether it had slept (a no-op when awake)."""
+        if not self.asleep:
+            return False
+        self.llm.wake_up()
+        self.asleep = False
+        return True
 
     # runtime speculation depth --------------------------------------------------------
     @property
