@@ -113,6 +113,12 @@ class FixedRolloutEngine:
     def disable_speculation(self) -> None:
         pass
 
+    def sleep(self) -> None:
+        pass
+
+    def wake_up(self) -> bool:
+        return False
+
     def shutdown(self) -> None:
         pass
 
