@@ -233,13 +233,15 @@ def test_pipeline_shares_put_the_remainder_first():
     assert all(s.engine for s in mp.pipeline_shares(10, 4, 1, engine_everywhere=True))  # one engine per rank
 
 
-def test_every_gpu_plans_an_engine_unless_the_step_loop_keeps_one_on_rank_0():
+def test_every_gpu_plans_an_engine_unless_one_is_kept_on_rank_0():
     fixed = load_config("tiny_cpu", ["parallel.pp=2", "parallel.microbatches=2"])
-    bandit = load_config("tiny_cpu_bandit", ["parallel.pp=2", "parallel.microbatches=2"])
+    bandit = load_config("tiny_cpu_bandit", ["parallel.pp=2", "parallel.microbatches=2"])  # engines in lockstep
+    rank0 = load_config("tiny_cpu", ["parallel.pp=2", "parallel.microbatches=2", "rollout.engine_ranks=rank0"])
     gib = 80 << 30
-    assert mp.plan_config(fixed, gib).engine == mp.plan_config(bandit, gib).engine == int(0.6 * gib)
+    assert mp.plan_config(fixed, gib).engine == mp.plan_config(rank0, gib).engine == int(0.6 * gib)
     # pp rank 1 (the head's) is the busiest once it hosts an engine too; without one the plan is rank 0's
-    assert mp.plan_config(fixed, gib).inputs.share.head and not mp.plan_config(bandit, gib).inputs.share.head
+    assert mp.plan_config(fixed, gib).inputs.share.head and mp.plan_config(bandit, gib).inputs.share.head
+    assert not mp.plan_config(rank0, gib).inputs.share.head
 
 
 # ---------------------------------------------------------------- the shipped recipes from config.json alone
