@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import statistics
+from typing import Callable
 
+from spectrain.config import load_config
 from spectrain.errors import ConfigError
 
 
@@ -32,6 +34,29 @@ def parse_options(name: str, args: list[str], defaults: dict) -> dict:
         raise ConfigError(f"bench {name}: unknown option(s) {' '.join(unknown)}; use key=value with key in "
                           f"{', '.join(sorted(defaults))}")
     return options
+
+
+def recipe_options(name: str, args: list[str], defaults: dict, layouts: Callable[[dict], list[list[str]]],
+                   min_steps: int = 2, why_steps: str = "the first is not timed") -> tuple[dict, list[str]]:
+    """A recipe benchmark's options and recipe overrides, checked before any run.
+
+    The first argument may name the recipe (`bench NAME RECIPE key=value ...`); every other argument that is not
+    one of `defaults` is a recipe override. The recipe is loaded once with the overrides plus each of
+    `layouts(options)` (the overrides of each run the benchmark makes, checked there), so a bad recipe, option or
+    override fails here, not mid-study.
+    """
+    if args and "=" not in args[0]:
+        args = [f"recipe={args[0]}", *args[1:]]
+    options, overrides = split_options(name, args, defaults)
+    if options["steps"] < min_steps or options["rounds"] < 1:
+        raise ConfigError(f"bench {name}: steps={options['steps']} rounds={options['rounds']}: give steps >= "
+                          f"{min_steps} ({why_steps}) and rounds >= 1")
+    try:
+        for layout in layouts(options):
+            load_config(options["recipe"], overrides + layout)
+    except ConfigError as exc:
+        raise ConfigError(f"bench {name}: {exc} (the benchmark's own options: {', '.join(defaults)})") from None
+    return options, overrides
 
 
 def int_list(name: str, key: str, text: str) -> list[int]:

@@ -21,9 +21,8 @@ import math
 import statistics
 from pathlib import Path
 
-from benchmarks.common import paired_ratios, split_options
+from benchmarks.common import paired_ratios, recipe_options
 from benchmarks.speedup import finite, mean_curve, ratio_text, round_order, run_one, timed, value_text
-from spectrain.config import load_config
 from spectrain.errors import ConfigError
 from spectrain.machine import machine_label
 from spectrain.plots import plot_panels
@@ -123,26 +122,20 @@ def write_report(out: Path, runs: dict, options: dict, command: str) -> dict:
     return summary
 
 
-def parse(args: list[str]) -> tuple[dict, list[str]]:
-    if args and "=" not in args[0]:  # `bench cotraining_cost RECIPE ...`
-        args = [f"recipe={args[0]}", *args[1:]]
-    options, overrides = split_options("cotraining_cost", args, DEFAULTS)
+def chosen_variants(options: dict) -> list[str]:
     variants = [v for v in options["variants"].split(",") if v]
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown or not variants:
         raise ConfigError(f"bench cotraining_cost: variants={options['variants']!r}: unknown "
                           f"{', '.join(unknown) or '(none given)'}; choose from {', '.join(VARIANTS)}")
-    if options["steps"] < 3 or options["rounds"] < 1:
-        raise ConfigError(f"bench cotraining_cost: steps={options['steps']} rounds={options['rounds']}: give "
-                          f"steps >= 3 (the first is not timed, and the acceptance's second half needs a step) and "
-                          f"rounds >= 1")
-    try:  # a bad recipe or override fails here, before any run
-        for v in variants:
-            load_config(options["recipe"], overrides + VARIANTS[v])
-    except ConfigError as exc:
-        raise ConfigError(f"bench cotraining_cost: {exc} (the benchmark's own options: "
-                          f"{', '.join(DEFAULTS)})") from None
-    options["variants"] = ",".join(variants)
+    return variants
+
+
+def parse(args: list[str]) -> tuple[dict, list[str]]:
+    options, overrides = recipe_options(
+        "cotraining_cost", args, DEFAULTS, lambda o: [VARIANTS[v] for v in chosen_variants(o)], min_steps=3,
+        why_steps="the first is not timed, and the acceptance's second half needs a step")
+    options["variants"] = ",".join(chosen_variants(options))
     return options, overrides
 
 

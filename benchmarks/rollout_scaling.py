@@ -27,10 +27,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.common import paired_ratios, split_options
+from benchmarks.common import paired_ratios, recipe_options
 from benchmarks.speedup import RUN_SETTINGS, finite, ratio_text, round_order, timed, value_text
-from spectrain.config import load_config
-from spectrain.errors import ConfigError, SpecTrainError
+from spectrain.errors import SpecTrainError
 from spectrain.machine import machine_label
 from spectrain.plots import plot_panels
 
@@ -148,19 +147,8 @@ def write_report(out: Path, runs: dict, options: dict, command: str) -> dict:
 
 
 def parse(args: list[str]) -> tuple[dict, list[str]]:
-    if args and "=" not in args[0]:  # `bench rollout_scaling RECIPE ...`
-        args = [f"recipe={args[0]}", *args[1:]]
-    options, overrides = split_options("rollout_scaling", args, DEFAULTS)
-    if options["steps"] < 2 or options["rounds"] < 1:
-        raise ConfigError(f"bench rollout_scaling: steps={options['steps']} rounds={options['rounds']}: give "
-                          f"steps >= 2 (the first is not timed) and rounds >= 1")
-    try:  # a bad recipe or override fails here, before any run
-        for layout in LAYOUTS.values():
-            load_config(options["recipe"], overrides + layout + PARALLEL)
-    except ConfigError as exc:
-        raise ConfigError(f"bench rollout_scaling: {exc} (the benchmark's own options: "
-                          f"{', '.join(DEFAULTS)})") from None
-    return options, overrides
+    return recipe_options("rollout_scaling", args, DEFAULTS,
+                          lambda _: [layout + PARALLEL for layout in LAYOUTS.values()])
 
 
 def main(args: list[str]) -> int:

@@ -26,7 +26,7 @@ import shutil
 import statistics
 from pathlib import Path
 
-from benchmarks.common import int_list, paired_ratios, split_options
+from benchmarks.common import int_list, paired_ratios, recipe_options
 from spectrain.config import load_config
 from spectrain.errors import ConfigError
 from spectrain.machine import machine_label
@@ -236,17 +236,9 @@ def write_report(out: Path, runs: dict, options: dict, command: str) -> dict:
 
 # --------------------------------------------------------------------------------------- main
 def parse(args: list[str]) -> tuple[dict, list[str]]:
-    if args and "=" not in args[0]:  # `bench speedup RECIPE ...`
-        args = [f"recipe={args[0]}", *args[1:]]
-    options, overrides = split_options("speedup", args, DEFAULTS)
-    if options["steps"] < 2 or options["rounds"] < 1:
-        raise ConfigError(f"bench speedup: steps={options['steps']} rounds={options['rounds']}: give steps >= 2 (the "
-                          f"first is not timed) and rounds >= 1")
-    try:  # a bad recipe or override fails here, before any run
-        config = load_config(options["recipe"], overrides)
-    except ConfigError as exc:
-        raise ConfigError(f"bench speedup: {exc} (the benchmark's own options: {', '.join(DEFAULTS)})") from None
-    options["modes"] = ",".join(planned_modes(options, config.draft.num_speculative_tokens))
+    options, overrides = recipe_options("speedup", args, DEFAULTS, lambda _: [[]])
+    k = load_config(options["recipe"], overrides).draft.num_speculative_tokens
+    options["modes"] = ",".join(planned_modes(options, k))
     return options, overrides
 
 
