@@ -34,6 +34,7 @@ from spectrain.batch import RolloutBatch, build_rollout_batch
 from spectrain.config import describe_differences
 from spectrain.config.loading import upgrade_recorded_keys
 from spectrain.errors import ConfigError, NonFiniteError, RunDirError
+from spectrain.machine import resolve_device
 from spectrain.models.eagle3 import Eagle3Config, Eagle3Draft, export_draft, load_draft
 from spectrain.models.hf_io import load_pretrained, read_tensor, save_pretrained
 from spectrain.models.llama import LlamaForCausalLM
@@ -77,8 +78,9 @@ def train_sft(policy: LlamaForCausalLM, task, tokenizer, steps: int, batch_size:
     losses = []
     # disable=None: a bar on a terminal only (in a log its redraws pile up on one line)
     bar = tqdm(range(steps), desc="warm-start SFT", disable=None if progress else True, dynamic_ncols=True)
+    device = next(policy.parameters()).device
     for step in bar:
-        loss = sft_loss(policy, examples_to_batch(task.sample(batch_size, rng), tokenizer))
+        loss = sft_loss(policy, examples_to_batch(task.sample(batch_size, rng), tokenizer).to(device))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
@@ -92,6 +94,23 @@ def train_sft(policy: LlamaForCausalLM, task, tokenizer, steps: int, batch_size:
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     log_without_bar(progress, "warm-start SFT", losses)
     return losses
+
+
+@contextmanager
+def on_device(device: torch.device, *modules: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None):
+    """Train `modules` on `device` (the run's accelerator: an 8B SFT on the host's CPU would take days), then bring
+    them and `optimizer`'s state back to the CPU, where the trainer exports them and Lightning places them."""
+    for module in modules:
+        module.to(device)
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.to("cpu")
+        for state in (optimizer.state.values() if optimizer is not None else ()):
+            for name, value in state.items():
+                if torch.is_tensor(value):
+                    state[name] = value.cpu()
 
 
 def log_without_bar(progress: bool, what: str, losses: list[float]) -> None:
@@ -183,8 +202,11 @@ def warm_start_policy(config, policy: LlamaForCausalLM, task, tokenizer, cache_r
     cache, key = cache_root, policy_cache_key(config)
     if cached(cache, key, "warm-start policy"):
         return load_pretrained(cache / "policy"), json.loads((cache / CACHE_META).read_text())
-    losses = train_sft(policy, task, tokenizer, config.sft.steps, config.sft.batch_size, config.sft.lr,
-                       seed=config.trainer.seed, progress=progress) if sft_enabled(config) else []
+    losses = []
+    if sft_enabled(config):
+        with on_device(resolve_device(config.trainer.accelerator), policy):
+            losses = train_sft(policy, task, tokenizer, config.sft.steps, config.sft.batch_size, config.sft.lr,
+                               seed=config.trainer.seed, progress=progress)
     meta = {"settings": key, "final_loss": losses[-1] if losses else None, "steps": len(losses)}
     with writing_cache(cache) as scratch:
         save_pretrained(policy, scratch / "policy", tokenizer=tokenizer)
@@ -232,8 +254,9 @@ def warm_up_draft(draft: Eagle3Draft, policy: LlamaForCausalLM, source, tokenize
     rng = random.Random(f"draft-warmup:{seed}")
     losses = []
     bar = tqdm(range(steps), desc="draft warm-up", disable=None if progress else True, dynamic_ncols=True)
+    device = next(policy.parameters()).device
     for i in bar:
-        batch = examples_to_batch(source.sample(batch_size, rng), tokenizer)
+        batch = examples_to_batch(source.sample(batch_size, rng), tokenizer).to(device)
         with torch.no_grad():
             out = policy(batch.input_ids, batch.position_ids, batch.cu_seqlens, tap_layers=draft.cfg.tap_layers)
         taps = draft_inputs_from(out, batch, policy.attention_ops, None, ttt_valid_tokens(batch))
@@ -276,9 +299,10 @@ def build_and_warm_up_draft(config, policy: LlamaForCausalLM, source, tokenizer,
     draft = build_draft(config, policy, source, tokenizer)
     losses, optimizer = [], draft_optimizer(draft, d.warmup_lr)
     if d.warmup_steps > 0:
-        losses = warm_up_draft(draft, policy, source, tokenizer, d.warmup_steps, config.sft.batch_size, optimizer,
-                               d.ttt_passes, d.pass_decay, config.trainer.seed, config.trainer.progress_bar,
-                               loss_kernel=d.loss_kernel)
+        with on_device(resolve_device(config.trainer.accelerator), draft, policy, optimizer=optimizer):
+            losses = warm_up_draft(draft, policy, source, tokenizer, d.warmup_steps, config.sft.batch_size,
+                                   optimizer, d.ttt_passes, d.pass_decay, config.trainer.seed,
+                                   config.trainer.progress_bar, loss_kernel=d.loss_kernel)
     with writing_cache(cache) as scratch:
         export_draft(draft, scratch, policy.cfg)
         if losses:
