@@ -21,6 +21,11 @@ _WEIGHT_RTOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 MIN_USEFUL_GAIN = 0.1
 
 
+def parameter_versions(module: torch.nn.Module) -> tuple[int, ...]:
+    """The in-place version counters of `module`'s parameters: every optimizer step (and every load) bumps them."""
+    return tuple(p._version for p in module.parameters())
+
+
 class WeightSync(Callback):
     """Versioned policy + draft sync; every sync is verified, and so is speculation.
 
@@ -72,6 +77,7 @@ class WeightSync(Callback):
         self.recent_gains: deque[float] = deque(maxlen=window)
         self._woke = False  # the engine woke from sleep mode before the rollout the next check reads
         self.warned: set[str] = set()  # the poor-draft warnings given ("cold", "worse"): each once per run
+        self._draft_versions: tuple[int, ...] | None = None  # the draft parameters' in-place versions at its last sync
         self._draft_sent: list = []  # the last draft sync's tensors (CPU copies, ranks with an engine): what the probe
         # expects
 
@@ -91,7 +97,7 @@ class WeightSync(Callback):
             self._check_speculation(trainer, pl_module, step.rollout.spec)
         started = time.perf_counter()
         self._woke = self._wake(pl_module) or self._woke
-        self.push(trainer, pl_module, draft=pl_module.trains_draft)
+        self.push(trainer, pl_module, draft=pl_module.trains_draft and self._draft_changed(trainer, pl_module))
         pl_module.log_dict({"time/weight_sync": time.perf_counter() - started,
                             "sync/mismatches": float(self.mismatches)}, on_step=True, batch_size=1)
 
@@ -101,6 +107,13 @@ class WeightSync(Callback):
         engines = pl_module.engines
         slept = pl_module.engine.wake_up() if pl_module.engine is not None else False
         return any(engines.gather(slept))
+
+    def _draft_changed(self, trainer, pl_module) -> bool:
+        """Whether the draft changed since its last sync on any rank (under PP only the stage holding it trains
+        it). A step without a draft update (`draft.every_n_steps`, `draft.hold_tolerance`) does not re-send it:
+        reloading the drafter and probing it again would cost the step time for nothing."""
+        changed = self._draft_versions != parameter_versions(pl_module.draft)
+        return bool(trainer.strategy.reduce(torch.tensor(float(changed)), reduce_op="max").item() > 0)
 
     def push(self, trainer, pl_module, draft: bool) -> None:
         """Send the policy (and the draft) to the engine as version `global_step`, and verify both.
@@ -114,6 +127,7 @@ class WeightSync(Callback):
             weights = list(pl_module.draft_weights_for_sync() or ())
             self._sync(trainer, pl_module, "draft", weights, version)
             self.draft_version = version
+            self._draft_versions = parameter_versions(pl_module.draft)
             if self.check_alive and pl_module.engines.has_engine:
                 self._draft_sent = [(name, t.detach().to("cpu", copy=True)) for name, t in weights]
 

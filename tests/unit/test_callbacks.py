@@ -165,7 +165,8 @@ def stats(drafts, accepted):
 
 
 def sync_trainer(step):
-    return SimpleNamespace(global_step=step, strategy=SimpleNamespace(broadcast=lambda x: x))
+    return SimpleNamespace(global_step=step, strategy=SimpleNamespace(broadcast=lambda x: x,
+                                                                      reduce=lambda t, reduce_op: t))
 
 
 @pytest.mark.parametrize("fault", [[], ["midlayer.mlp.down_proj: relative error 1.0e+00 > 1e-04"]])
@@ -174,7 +175,7 @@ def test_an_acceptance_of_nothing_is_dead_only_if_the_drafter_is_not_the_synced_
     engine = SimpleNamespace(sync_policy=lambda w, v: None, sync_draft=lambda w, v: None,
                              verify_weights=lambda w, which, rtol: probe, wake_up=lambda: False)
     module = Module(engine=engine, engines=EngineLayout.single(), plan=LocalPlan(), policy=torch.nn.Linear(2, 2),
-                    draft=object(), trains_draft=True,
+                    draft=torch.nn.Linear(2, 2), trains_draft=True,
                     logged={}, rollout_stats=None, policy_weights_for_sync=lambda: [],
                     draft_weights_for_sync=lambda: [])
     callback = WeightSync(min_drafts_for_check=10)
@@ -201,7 +202,7 @@ def test_an_acceptance_of_nothing_after_a_wake_from_sleep_mode_is_dead_even_with
                              verify_weights=lambda w, which, rtol: ProbeResult(0.0, []),
                              wake_up=lambda: woke.append(1) or True)
     module = Module(engine=engine, engines=EngineLayout.single(), plan=LocalPlan(), policy=torch.nn.Linear(2, 2),
-                    draft=object(), trains_draft=True, logged={}, rollout_stats=None,
+                    draft=torch.nn.Linear(2, 2), trains_draft=True, logged={}, rollout_stats=None,
                     policy_weights_for_sync=lambda: [], draft_weights_for_sync=lambda: [])
     callback = WeightSync(min_drafts_for_check=10)
     callback.on_train_start(sync_trainer(0), module)
@@ -212,6 +213,28 @@ def test_an_acceptance_of_nothing_after_a_wake_from_sleep_mode_is_dead_even_with
     with pytest.raises(SpeculationDeadError, match=r"woke from sleep mode .* exactly 1\.00 over 50 drafts: the "
                                                    r"drafter was lost on wake \(set rollout.enable_sleep_mode=false"):
         callback.on_train_batch_end(sync_trainer(2), module, step_outputs(module), None, 0)
+
+
+def test_the_draft_is_re_sent_only_after_it_changed():
+    """A step without a draft update (draft.every_n_steps, draft.hold_tolerance) syncs the policy alone; an optimizer
+    step on the draft makes the next sync send it (stand-in engine: it records what it is sent)."""
+    sent = []
+    engine = SimpleNamespace(sync_policy=lambda w, v: sent.append(("policy", v)),
+                             sync_draft=lambda w, v: sent.append(("draft", v)),
+                             verify_weights=lambda w, which, rtol: ProbeResult(0.0, []), wake_up=lambda: False)
+    draft = torch.nn.Linear(2, 2)
+    module = Module(engine=engine, engines=EngineLayout.single(), plan=LocalPlan(), policy=torch.nn.Linear(2, 2),
+                    draft=draft, trains_draft=True, logged={}, rollout_stats=stats(drafts=50, accepted=70),
+                    policy_weights_for_sync=lambda: [], draft_weights_for_sync=lambda: list(draft.named_parameters()))
+    callback = WeightSync(min_drafts_for_check=10)
+    optimizer = torch.optim.SGD(draft.parameters(), lr=0.1)
+    for step, updated in enumerate([True, False, False, True], start=1):
+        if updated:
+            draft(torch.ones(1, 2)).sum().backward()
+            optimizer.step()
+        callback.on_train_batch_end(sync_trainer(step), module, step_outputs(module), None, 0)
+    assert sent == [("policy", 1), ("draft", 1), ("policy", 2), ("policy", 3), ("policy", 4), ("draft", 4)]
+    assert callback.draft_version == 4
 
 
 def test_acceptance_logger_logs_deltas(tmp_path):
