@@ -219,9 +219,16 @@ class SamePrompts:
 
 
 class TokenIds:
-    """The tokenizer `GRPOModule` asks for, on prompts and completions that are token ids already."""
+    """The tokenizer `GRPOModule` asks for, on prompts and completions that are token ids already. The policy's EOS is
+    never sampled (its logit row is zero), so `max_tokens` sets every length."""
 
-    def encode(self, ids: list[int]) -> list[int]:
+    def __init__(self, eos_id: int) -> None:
+        self.eos_id, self.stop_ids = eos_id, [eos_id]
+
+    def encode_prompt(self, ids: list[int]) -> list[int]:
+        return list(ids)
+
+    def encode(self, ids: list[int], add_bos: bool = True) -> list[int]:
         return list(ids)
 
     def decode(self, ids: list[int]) -> list[int]:
@@ -305,7 +312,8 @@ def run_grpo(opts: BenchOptions, engine, policy_dir: Path, draft_dir: Path, budg
     prompts = [TokenPrompt(p) for p in random_prompts(opts.e2e_prompts, opts.seed + 7)]
     lengths = long_tailed_lengths(opts, len(prompts), opts.seed + 7)
     lengths[-1] = opts.max_tokens  # one straggler prompt: the long tail spot training is for
-    module = LongTailedGRPOModule(config, load_pretrained(policy_dir), load_draft(draft_dir), TokenIds(),
+    policy = load_pretrained(policy_dir)
+    module = LongTailedGRPOModule(config, policy, load_draft(draft_dir), TokenIds(policy.cfg.eos_token_id),
                                   per_sample(even_token_share), max_tokens=lengths, engine=engine)
     sync = TimedWeightSync(check_alive=False)  # no drafter probes: the toy draft's acceptance may well swing
     recorder = StepRecorder(sync)

@@ -224,6 +224,20 @@ def test_adaptive_toy_reward_is_the_share_of_even_tokens():
     assert even_token_share([], "") == 0.0
 
 
+def test_adaptive_token_ids_tokenizer_has_what_the_grpo_rollout_reads():
+    """`bench adaptive`'s GRPO runs hand GRPOModule a tokenizer over token-id prompts: every member the rollout path
+    reads (PromptTokenizer's encode_prompt, decode, eos_id, stop_ids) must be there (a missing encode_prompt once
+    failed the benchmark at its first GRPO step)."""
+    from benchmarks.adaptive import TokenIds
+    from spectrain.config import load_config
+    from spectrain.train.module import sampling_config
+
+    tokenizer = TokenIds(eos_id=2)
+    assert tokenizer.encode_prompt([1, 5, 6]) == [1, 5, 6] and tokenizer.decode([7, 8]) == [7, 8]
+    sampling = sampling_config(load_config("tiny_cpu"), tokenizer, n=4)
+    assert sampling.n == 4 and sampling.stop_token_ids == ()  # EOS is the engine's own stop
+
+
 def test_config_errors_are_spectrain_errors():
     """The CLI prints a `SpecTrainError` as one line: the benchmarks' option errors must be one."""
     from benchmarks.common import parse_options
