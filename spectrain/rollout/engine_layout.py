@@ -76,10 +76,14 @@ def request_seed(seed: int, purpose: str, step: int, prompt_index: int) -> int:
     return zlib.crc32(f"{seed}:{purpose}:{step}:{prompt_index}".encode()) & 0x3FFFFFFF
 
 
-def seeded_configs(sampling: SamplingConfig, prompts: range, seed: int, purpose: str,
+def seeded_configs(sampling: SamplingConfig | list[SamplingConfig], prompts: range, seed: int, purpose: str,
                    step: int) -> list[SamplingConfig]:
-    """One config per prompt of `prompts` (global indices), each with its request seed."""
-    return [replace(sampling, seed=request_seed(seed, purpose, step, p)) for p in prompts]
+    """One config per prompt of `prompts` (global indices), each with its request seed. `sampling` is one config
+    for every prompt, or a list of one per global prompt (e.g. per-prompt `max_tokens`)."""
+    def config(p: int) -> SamplingConfig:
+        return sampling[p] if isinstance(sampling, list) else sampling
+
+    return [replace(config(p), seed=request_seed(seed, purpose, step, p)) for p in prompts]
 
 
 @dataclass

@@ -37,6 +37,10 @@ def test_request_seeds_depend_on_the_global_prompt_not_on_the_engine():
     assert whole == halves and len({c.seed for c in whole}) == 6
     assert request_seed(7, "train", 3, 0) != request_seed(7, "train", 4, 0) != request_seed(7, "eval", 3, 0)
     assert all(c.n == 4 and c.temperature == 1.0 for c in whole)
+    per_prompt = [SamplingConfig(n=4, max_tokens=8 + p) for p in range(6)]  # one per global prompt (bench adaptive)
+    second_half = seeded_configs(per_prompt, range(3, 6), 7, "train", 3)
+    assert [c.max_tokens for c in second_half] == [11, 12, 13] and [c.seed for c in second_half] == \
+        [c.seed for c in whole[3:]]
 
 
 def _part(prompts: range, drafts: int, accepted: int, seconds: float, running: int) -> EngineRollout:
