@@ -48,11 +48,13 @@ def recipe_options(name: str, args: list[str], defaults: dict, layouts: Callable
     if args and "=" not in args[0]:
         args = [f"recipe={args[0]}", *args[1:]]
     options, overrides = split_options(name, args, defaults)
-    if options["steps"] < min_steps or options["rounds"] < 1:
-        raise ConfigError(f"bench {name}: steps={options['steps']} rounds={options['rounds']}: give steps >= "
-                          f"{min_steps} ({why_steps}) and rounds >= 1")
+    rounds = options.get("rounds", 1)  # a benchmark without rounds makes one run per setting
+    if options["steps"] < min_steps or rounds < 1:
+        raise ConfigError(f"bench {name}: steps={options['steps']} rounds={rounds}: give steps >= {min_steps} "
+                          f"({why_steps}) and rounds >= 1")
+    runs = layouts(options)  # raises its own errors (a bad benchmark option)
     try:
-        for layout in layouts(options):
+        for layout in runs:
             load_config(options["recipe"], overrides + layout)
     except ConfigError as exc:
         raise ConfigError(f"bench {name}: {exc} (the benchmark's own options: {', '.join(defaults)})") from None

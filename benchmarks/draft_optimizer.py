@@ -6,7 +6,7 @@ draft's loss jumps and vLLM's acceptance falls below the frozen draft's. This ru
 steps (one shared warm start, the same seeds) once per option and records, per step, the draft
 loss and the acceptance length; it writes `draft_optimizer.json|md|png` under `out`.
 
-Usage: `spectrain bench draft_optimizer [recipe=tiny_cpu] [steps=20] [out=docs/benchmarks] [key=value ...]`
+Usage: `spectrain bench draft_optimizer [RECIPE] [steps=20] [out=docs/benchmarks] [key=value ...]`
 (other `key=value` pairs are recipe overrides applied to every run).
 """
 from __future__ import annotations
@@ -16,9 +16,8 @@ import shutil
 import statistics
 from pathlib import Path
 
-from benchmarks.common import split_options
+from benchmarks.common import recipe_options
 from spectrain.config import load_config
-from spectrain.errors import ConfigError
 from spectrain.machine import machine_label
 from spectrain.plots import plot_panels
 
@@ -101,12 +100,8 @@ draft loss is each online update's, on its own step's rollout (none for the froz
 
 
 def main(args: list[str]) -> int:
-    options, overrides = split_options("draft_optimizer", args, DEFAULTS)
-    try:  # a bad recipe or override fails here, before any run
-        load_config(options["recipe"], overrides)
-    except ConfigError as exc:
-        raise ConfigError(f"bench draft_optimizer: {exc} "
-                          f"(the benchmark's own options: {', '.join(DEFAULTS)})") from None
+    options, overrides = recipe_options("draft_optimizer", args, DEFAULTS, lambda _: [[]], min_steps=1,
+                                        why_steps="every option trains the draft for them")
     work = Path(options["work"])
     histories = {}
     for label in OPTIONS:

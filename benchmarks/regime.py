@@ -49,9 +49,10 @@ def parse_sizes(text: str) -> list[tuple[int, int]]:
     sizes = []
     for item in text.split(","):
         layers, _, hidden = item.partition("x")
-        if not (layers.isdigit() and hidden.isdigit() and int(hidden) % 64 == 0):
-            raise ConfigError(f"bench regime: sizes: {item!r} is not LAYERSxHIDDEN with HIDDEN a multiple of 64, "
-                              f"e.g. sizes=4x128,16x1024")
+        if not (layers.isdigit() and hidden.isdigit() and int(layers) >= 4 and int(hidden) % 64 == 0):
+            raise ConfigError(f"bench regime: sizes: {item!r} is not LAYERSxHIDDEN with LAYERS >= 4 (the EAGLE-3 "
+                              f"draft taps three distinct layers) and HIDDEN a multiple of 64, e.g. "
+                              f"sizes=4x128,16x1024")
         sizes.append((int(layers), int(hidden)))
     return sizes
 

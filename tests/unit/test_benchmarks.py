@@ -425,7 +425,8 @@ def test_bench_cotraining_cost_end_to_end_writes_the_report(tmp_path):
 # bench regime ----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("args, message", [
-    (("sizes=4x100",), "bench regime: sizes: '4x100' is not LAYERSxHIDDEN with HIDDEN a multiple of 64"),
+    (("sizes=4x100",), "bench regime: sizes: '4x100' is not LAYERSxHIDDEN with LAYERS >= 4"),
+    (("sizes=2x64",), "bench regime: sizes: '2x64' is not LAYERSxHIDDEN with LAYERS >= 4 (the EAGLE-3 draft taps"),
     (("k=0",), "bench regime: k=0: it must be >= 1"),
     (("dtype=float16",), "bench regime: dtype=float16: use one of"),
 ])
