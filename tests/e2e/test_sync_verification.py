@@ -105,7 +105,8 @@ def module_for(engine, world, trains_draft=True):
 
 
 def trainer_at(step):
-    return SimpleNamespace(global_step=step, strategy=SimpleNamespace(broadcast=lambda x: x))
+    strategy = SimpleNamespace(broadcast=lambda x: x, reduce=lambda t, reduce_op: t)  # one process
+    return SimpleNamespace(global_step=step, strategy=strategy)
 
 
 def test_weight_sync_raises_on_a_bad_sync_and_warn_mode_resends(world):
