@@ -74,6 +74,12 @@ def summarize(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": list(values)}
 
 
+def speed_word(ratio: float) -> str:
+    """A speed ratio (above 1: faster) in words, so that a slowdown reads as one: `0.93x (1.07x slower)`."""
+    word, factor = ("faster", ratio) if ratio >= 1 else ("slower", 1 / ratio)
+    return f"{ratio:.2f}x ({factor:.2f}x {word})"
+
+
 def paired_ratios(values: list[float], base: list[float]) -> dict:
     """`summarize` of the per-round ratios `values[i] / base[i]` (rounds measured side by side)."""
     return summarize([v / b for v, b in zip(values, base, strict=True)])

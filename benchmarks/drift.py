@@ -30,7 +30,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks.common import paired_ratios, split_options
+from benchmarks.common import paired_ratios, speed_word, split_options
 from spectrain.config import load_config
 from spectrain.errors import ConfigError
 from spectrain.machine import machine_label
@@ -327,8 +327,8 @@ Acceptance at the end: mean over the last tenth of the steps; minima: over the t
             f"| {m} | {iqr_text(s['rollout_tokens_per_s'], '.0f')} | {iqr_text(s['step_seconds'], '.2f')} | "
             f"{s['acceptance_length']:.2f} | {100 * s['draft_share_of_step']:.1f}% |"
             for m, s in speed.items() if m in SPEED_MODES)
-        ratios = "; ".join(f"{m}: step time **{r['step_seconds']:.2f}x**, rollout tokens/s "
-                           f"{r['rollout_tokens_per_s']:.2f}x" for m, r in speed.get("vs_none", {}).items())
+        ratios = "; ".join(f"{m}: end to end **{speed_word(1 / r['step_seconds'])}**, rollout tokens/s "
+                           f"{speed_word(r['rollout_tokens_per_s'])}" for m, r in speed.get("vs_none", {}).items())
         text += f"""
 ## Speed on a deep target (`{o['deep']}`, {o['speed_steps']} steps per mode)
 

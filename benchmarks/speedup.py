@@ -26,7 +26,7 @@ import shutil
 import statistics
 from pathlib import Path
 
-from benchmarks.common import int_list, paired_ratios, recipe_options
+from benchmarks.common import int_list, paired_ratios, recipe_options, speed_word
 from spectrain.config import load_config
 from spectrain.errors import ConfigError
 from spectrain.machine import machine_label
@@ -160,9 +160,8 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
 
 # ------------------------------------------------------------------------------------ reports
 def ratio_text(r: dict) -> str:
-    word = "faster" if r["median"] >= 1 else "slower"
-    factor = r["median"] if r["median"] >= 1 else 1 / r["median"]
-    return f"**{r['median']:.2f}x** ({factor:.2f}x {word}; {r['min']:.2f}..{r['max']:.2f})"
+    ratio, spread = speed_word(r["median"]).split(" ", 1)
+    return f"**{ratio}** {spread[:-1]}; {r['min']:.2f}..{r['max']:.2f})"
 
 
 def value_text(q: dict, fmt: str, scale: float = 1.0) -> str:

@@ -146,22 +146,19 @@ class WeightSync(Callback):
             self._sync(trainer, pl_module, which, weights, version, attempt=2)
 
     def _probe(self, trainer, pl_module, which: str, weights) -> list[str]:
-        """Mismatches between every engine's `which` and `weights` ("engine e: ..." with several engines), the same
-        list on every rank. Each engine's leader probes its own engine."""
+        """Mismatches between every engine's `which` and `weights` ("engine e (rank r): ..." when ranks hold
+        engines), the same list on every rank. Every rank with an engine probes its own part of it (a TP rank its
+        shards)."""
         engines = pl_module.engines
-        if engines.tp_size > 1:  # the probe applies whole layers; a TP rank holds shards of them
-            self._warn_once("tp", f"[spectrain] rollout.tensor_parallel_size={engines.tp_size}: the per-layer weight "
-                                  f"probe covers engines of one rank only, so syncs are checked by the rollout "
-                                  f"logprob check alone (sync.logprob_tolerance)")
-            return []
         problems = None
-        if engines.is_leader:
+        if engines.has_engine:
             rtol = self.weight_rtol or _WEIGHT_RTOL.get(_policy_dtype(pl_module), 1e-2)
             problems = pl_module.engine.verify_weights(weights, which, rtol).mismatches
-        per_engine = engines.gather(problems)
-        if engines.num_engines == 1:
-            return per_engine[0]
-        return [f"engine {e} (rank {e * engines.tp_size}): {p}" for e, found in enumerate(per_engine) for p in found]
+        per_rank = engines.gather_every_rank(problems)
+        if engines.ranks_with_engines == 1:
+            return per_rank[0]
+        return [f"engine {r // engines.tp_size} (rank {r}): {p}"
+                for r, found in enumerate(per_rank) for p in found or ()]
 
     def _warn_once(self, kind: str, message: str) -> None:
         if kind not in self.warned:

@@ -71,6 +71,15 @@ class EngineLayout:
         return [by_engine[e] for e in range(self.num_engines)]
 
 
+    def gather_every_rank(self, local) -> list:
+        """Every rank's `local`, in rank order, on every rank (collective when there are ranks)."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return [local]
+        everything = [None] * dist.get_world_size()
+        dist.all_gather_object(everything, local)
+        return everything
+
+
 def request_seed(seed: int, purpose: str, step: int, prompt_index: int) -> int:
     """The seed of global prompt `prompt_index`'s request; vLLM seeds its sample j with this + j."""
     return zlib.crc32(f"{seed}:{purpose}:{step}:{prompt_index}".encode()) & 0x3FFFFFFF

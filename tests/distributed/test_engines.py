@@ -5,7 +5,8 @@
   the counters are the sum over the engines; after a sync both engines pass the weight probe, and a fault on
   engine 1 alone is caught and named; a bandit on each rank over the lockstepped step loop sets the same k on
   both engines at every engine step.
-- TP=2 over 2 ranks: one engine, both ranks submit the same requests and get the same tokens, without a hang.
+- TP=2 over 2 ranks: one engine, both ranks submit the same requests and get the same tokens, without a hang;
+  each rank probes its own shards of the policy and the drafter, and a fault loaded by rank 1 alone is named.
 """
 from __future__ import annotations
 
@@ -64,9 +65,6 @@ def _tokens(completions) -> list[tuple[int, list[int]]]:
 
 
 def _two_engines(rank: int, world: int, models):
-    from callbacks.weight_sync import WeightSync
-    from spectrain.models.hf_io import load_pretrained
-    from spectrain.parallel.plan import LocalPlan
     from spectrain.rollout.engine_layout import merge
 
     engine, layout = _start_engine(rank, world, 1, models)
@@ -80,21 +78,33 @@ def _two_engines(rank: int, world: int, models):
     out["lockstep"] = _adaptive_in_lockstep(engine, layout)
 
     # sync: every engine loads the same new weights and passes the probe; then engine 1 alone gets a fault
+    sync, module, weights = _synced(engine, layout, models)
+    out["probe_after_sync"] = sync._probe(None, module, "policy", weights)
+    if rank == 1:
+        engine.sync_policy(_faulty(weights, "model.layers.1.mlp.down_proj.weight"), 2)
+    out["probe_after_fault"] = sync._probe(None, module, "policy", weights)
+    engine.shutdown()
+    return out
+
+
+def _synced(engine, layout, models):
+    """The policy scaled by 1.01, synced into the engine: (the sync callback, the module it reads, the weights)."""
+    from callbacks.weight_sync import WeightSync
+    from spectrain.models.hf_io import load_pretrained
+    from spectrain.parallel.plan import LocalPlan
+
     policy = load_pretrained(models[0])
     with torch.no_grad():
         for p in policy.parameters():
             p.mul_(1.01)
     weights = LocalPlan().policy_weights(policy)
     engine.sync_policy(weights, 1)
-    sync = WeightSync(check_alive=False)
-    module = SimpleNamespace(engines=layout, engine=engine, config=None, policy=policy)
-    out["probe_after_sync"] = sync._probe(None, module, "policy", weights)
-    if rank == 1:
-        faulty = [(n, t * 2 if n == "model.layers.1.mlp.down_proj.weight" else t) for n, t in weights]
-        engine.sync_policy(faulty, 2)
-    out["probe_after_fault"] = sync._probe(None, module, "policy", weights)
-    engine.shutdown()
-    return out
+    return WeightSync(check_alive=False), SimpleNamespace(engines=layout, engine=engine, config=None,
+                                                          policy=policy), weights
+
+
+def _faulty(weights, *names: str):
+    return [(n, t * 2 if n in names else t) for n, t in weights]
 
 
 def _adaptive_in_lockstep(engine, layout):
@@ -151,18 +161,38 @@ def test_two_engines_serve_one_rollout_sync_and_are_probed_each(tmp_path):
 
 
 def _tensor_parallel(rank: int, world: int, models):
+    from safetensors.torch import load_file
+
     engine, layout = _start_engine(rank, world, 2, models)
     assert layout.num_engines == 1 and layout.is_leader == (rank == 0)
     rollout = _rollout(engine, layout, SamplingConfig(n=SAMPLES, max_tokens=MAX_TOKENS, temperature=1.0),
                        layout.prompt_range(PROMPTS))
     greedy = _rollout(engine, layout, SamplingConfig(n=1, max_tokens=MAX_TOKENS, temperature=0.0), range(PROMPTS))
+    # every TP rank probes its own shards: after a sync all pass; a fault loaded by rank 1 alone is named there
+    sync, module, weights = _synced(engine, layout, models)
+    draft = sorted((n, t) for n, t in load_file(models[1] / "model.safetensors").items() if n != "t2d")  # as synced
+    engine.sync_draft(draft, 1)
+    probes = {which: sync._probe(None, module, which, sent) for which, sent in (("policy", weights), ("draft", draft))}
+    if rank == 1:  # a row-parallel layer (input columns split) and a fused column-parallel one (output rows split)
+        engine.sync_policy(_faulty(weights, "model.layers.1.mlp.down_proj.weight",
+                                   "model.layers.2.self_attn.k_proj.weight"), 2)
+        engine.sync_draft(_faulty(draft, "midlayer.mlp.gate_proj.weight"), 2)
+    probes.update(policy_fault=sync._probe(None, module, "policy", weights),
+                  draft_fault=sync._probe(None, module, "draft", draft))
     engine.shutdown()
-    return _tokens(rollout.completions), _tokens(greedy.completions), rollout.spec.num_drafts
+    return _tokens(rollout.completions), _tokens(greedy.completions), rollout.spec.num_drafts, probes
 
 
-def test_tensor_parallel_engine_over_two_ranks_gives_both_the_same_tokens(tmp_path):
+def test_tensor_parallel_engine_over_two_ranks_gives_both_the_same_tokens_and_probes_every_shard(tmp_path):
     models = export_engine_models(tmp_path)
-    (sampled_0, greedy_0, drafts_0), (sampled_1, greedy_1, drafts_1) = run_distributed(
+    (sampled_0, greedy_0, drafts_0, probes_0), (sampled_1, greedy_1, drafts_1, probes_1) = run_distributed(
         _tensor_parallel, 2, models, timeout=600)
     assert len(sampled_0) == PROMPTS * SAMPLES and sampled_0 == sampled_1
     assert greedy_0 == greedy_1 and drafts_0 == drafts_1 > 0
+    assert probes_0 == probes_1  # the same verdict on every rank
+    assert probes_0["policy"] == [] and probes_0["draft"] == []
+    for which, layers in (("policy_fault", ("model.layers.1.mlp.down_proj", "model.layers.2.self_attn.qkv_proj")),
+                          ("draft_fault", ("gate_up_proj",))):
+        found = probes_0[which]
+        assert found and all(p.startswith("engine 0 (rank 1): ") for p in found), found
+        assert all(any(layer in p for p in found) for layer in layers), found

@@ -365,9 +365,14 @@ class VLLMRolloutEngine:
         Probes every layer inside the worker (spectrain/rollout/vllm/weight_probe.py); about one decode
         step's cost. Run it after a sync with what the trainer meant to send.
         """
-        report, packed = self.llm.collective_rpc(report_engine_weights, args=(which,))[0]
         sent = {name: t.detach().cpu() for name, t in weights}
-        return compare_report(report, sent, which, rtol, packed)
+        # this process's worker under the external launcher; every TP worker when vLLM runs its own
+        found = [compare_report(report, sent, which, rtol, packed)
+                 for report, packed in self.llm.collective_rpc(report_engine_weights, args=(which,))]
+        if len(found) == 1:
+            return found[0]
+        return ProbeResult(max(f.worst for f in found),
+                           [f"TP worker {i}: {m}" for i, f in enumerate(found) for m in f.mismatches])
 
     # metrics --------------------------------------------------------------------------
     def _record_load(self, step: compat.StepStats) -> None:
