@@ -4,9 +4,10 @@ The engine runs in the trainer's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), s
 sync is a function call. On CPU the backend prepacks linear weights after loading, so the
 regular `load_weights` path fails on a live engine; both syncs go through vLLM's in-place
 `reload_weights`, which re-runs the loader's post-processing.
-Prefix caching is off: prompts repeat across steps and a cached KV from older weights would
-silently mix two policies in one rollout. What this needs of vLLM beyond its public API goes
-through `spectrain.rollout.vllm.compat`.
+Prefix caching (on with CUDA by default: a GRPO group's samples share their prompt) is reset
+after every weight sync, since prompts repeat across steps and a cached KV from older weights
+would silently mix two policies in one rollout. What this needs of vLLM beyond its public API
+goes through `spectrain.rollout.vllm.compat`.
 """
 from __future__ import annotations
 
