@@ -537,9 +537,13 @@ def headline(throughput: dict) -> dict:
     return out
 
 
+def parse(args: list[str]) -> BenchOptions:
+    return BenchOptions(**parse_options("adaptive", args, dataclasses.asdict(BenchOptions())))
+
+
 def main(overrides: list[str]) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    opts = BenchOptions(**parse_options("adaptive", overrides, dataclasses.asdict(BenchOptions())))
+    opts = parse(overrides)
     if opts.threads:
         torch.set_num_threads(opts.threads)  # before vLLM starts: it pins the count afterwards
     with tempfile.TemporaryDirectory(prefix="spectrain_bench_adaptive_") as work:

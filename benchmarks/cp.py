@@ -380,11 +380,17 @@ Skipped: {'; '.join(skipped) if skipped else 'none'}.
 """)
 
 
-def main(args: list[str]) -> int:
+def parse(args: list[str]) -> dict:
+    """The options with their token and CP lists, checked before anything runs."""
     o = parse_options("cp", args, DEFAULTS)
     o["token_list"], o["cp_list"] = int_list("cp", "tokens", o["tokens"]), int_list("cp", "cp", o["cp"])
     if o["cp_list"][0] != 1:
         raise ConfigError(f"bench cp: cp={o['cp']} has no 1; the memory ratios compare every CP size with cp=1")
+    return o
+
+
+def main(args: list[str]) -> int:
+    o = parse(args)
     started = time.perf_counter()
     rows = []
     for world in o["cp_list"]:

@@ -99,9 +99,13 @@ draft loss is each online update's, on its own step's rollout (none for the froz
 """)
 
 
+def parse(args: list[str]) -> tuple[dict, list[str]]:
+    return recipe_options("draft_optimizer", args, DEFAULTS, lambda _: [[]], min_steps=1,
+                          why_steps="every option trains the draft for them")
+
+
 def main(args: list[str]) -> int:
-    options, overrides = recipe_options("draft_optimizer", args, DEFAULTS, lambda _: [[]], min_steps=1,
-                                        why_steps="every option trains the draft for them")
+    options, overrides = parse(args)
     work = Path(options["work"])
     histories = {}
     for label in OPTIONS:

@@ -214,11 +214,17 @@ Draft loss, Triton peak memory / dense torch peak memory (vocabulary {options['v
     return result
 
 
-def main(args: list[str]) -> int:
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def parse(args: list[str], device: torch.device) -> dict:
+    """The options on `device` (a CPU run is a dry run at tiny sizes: other defaults), checked before anything runs."""
     options = parse_options("kernels", args, DEFAULTS if device.type == "cuda" else CPU_DEFAULTS)
     if options["dtype"] not in DTYPES:
         raise ConfigError(f"bench kernels: dtype={options['dtype']!r}; use one of {', '.join(DTYPES)}")
+    return options
+
+
+def main(args: list[str]) -> int:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    options = parse(args, device)
     if device.type == "cpu":
         print("[bench kernels] no GPU: a correctness dry run at tiny sizes, Triton under the interpreter (the "
               "timings mean nothing; the real benchmark runs on a GPU: scripts/gpu_check.sh)")

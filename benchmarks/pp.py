@@ -269,8 +269,12 @@ Target <= {pct(TARGET_OVERHEAD)}: {verdict}.
 """)
 
 
+def parse(args: list[str]) -> dict:
+    return parse_options("pp", args, DEFAULTS)
+
+
 def main(args: list[str]) -> int:
-    o = parse_options("pp", args, DEFAULTS)
+    o = parse(args)
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
     ranks = run_distributed(_measure, 2, o, timeout=900.0)

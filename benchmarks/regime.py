@@ -156,7 +156,8 @@ def markdown(payload: dict) -> str:
     return "\n".join(lines)
 
 
-def main(args: list[str]) -> int:
+def parse(args: list[str]) -> tuple[dict, list[tuple[int, int]]]:
+    """The options and the target sizes, checked before anything runs."""
     opts = parse_options("regime", args, DEFAULTS)
     opts["concurrency"] = int_list("regime", "concurrency", str(opts["concurrency"]))
     sizes = parse_sizes(str(opts["sizes"]))
@@ -166,6 +167,11 @@ def main(args: list[str]) -> int:
             raise ConfigError(f"bench regime: {key}={opts[key]}: it must be >= 1")
     if opts["dtype"] not in DTYPES:
         raise ConfigError(f"bench regime: dtype={opts['dtype']}: use one of {sorted(DTYPES)}")
+    return opts, sizes
+
+
+def main(args: list[str]) -> int:
+    opts, sizes = parse(args)
     started = time.perf_counter()
     work, out = Path(opts["work"]), Path(opts["out"])
     results = [measure_size(layers, hidden, opts, work) for layers, hidden in sizes]

@@ -37,7 +37,7 @@ class WeightSync(Callback):
       no error. When acceptance after a draft sync is poor (no token accepted; a gain `length - 1`
       under `collapse_ratio` x the median of the recent `window` steps; or, with no history yet,
       a gain under `MIN_USEFUL_GAIN`), the drafter is probed against the weights of the last
-      draft sync (a copy kept on the rollout rank: the trainer's draft has been updated since).
+      draft sync (a copy kept on every rank with an engine: the trainer's draft has been updated since).
       A drafter that does not serve them is dead. One that does is a draft that does not (yet)
       predict this policy: a scratch or imported draft, or a policy that moved. That only warns
       (once per kind); co-training learns it, and a frozen draft is turned off under
@@ -153,7 +153,10 @@ class WeightSync(Callback):
         problems = None
         if engines.has_engine:
             rtol = self.weight_rtol or _WEIGHT_RTOL.get(_policy_dtype(pl_module), 1e-2)
-            problems = pl_module.engine.verify_weights(weights, which, rtol).mismatches
+            try:
+                problems = pl_module.engine.verify_weights(weights, which, rtol).mismatches
+            except Exception as exc:  # reported through the gather below: a raise here would hang the other ranks
+                problems = [f"the weight probe failed: {exc!r}"]
         per_rank = engines.gather_every_rank(problems)
         if engines.ranks_with_engines == 1:
             return per_rank[0]

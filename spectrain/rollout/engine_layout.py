@@ -49,7 +49,8 @@ class EngineLayout:
 
     @property
     def is_leader(self) -> bool:
-        """The first rank of its engine: it reports the engine's completions, counters and probe results."""
+        """The first rank of its engine: it reports the engine's completions and counters (every rank of it probes
+        its own shards of the weights)."""
         return self.has_engine and self.rank % self.tp_size == 0
 
     def prompt_range(self, num_prompts: int, engine: int | None = None) -> range:
@@ -69,7 +70,6 @@ class EngineLayout:
         by_engine = dict(item for item in everything if item is not None)
         assert sorted(by_engine) == list(range(self.num_engines)), (sorted(by_engine), self)
         return [by_engine[e] for e in range(self.num_engines)]
-
 
     def gather_every_rank(self, local) -> list:
         """Every rank's `local`, in rank order, on every rank (collective when there are ranks)."""

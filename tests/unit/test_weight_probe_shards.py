@@ -82,6 +82,22 @@ def test_a_row_parallel_shard_is_probed_on_its_input_columns(tp):
         assert compare_report({name: ("linear", out, shard)}, doubled, "policy", 1e-5, {}).mismatches
 
 
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_every_rank_of_a_merged_gate_up_layer_holds_its_rows_of_each_part(tp):
+    name, inner = "model.layers.0.mlp.gate_up_proj", 8
+    g = torch.Generator().manual_seed(1)
+    parts = [f"model.layers.0.mlp.{part}.weight" for part in ("gate_proj", "up_proj")]
+    sent = {part: torch.randn(inner, HIDDEN, generator=g) for part in parts}
+    x = probe_input(name, HIDDEN, torch.float32)
+    for rank in range(tp):
+        module = SimpleNamespace(tp_rank=rank, input_size=HIDDEN, input_size_per_partition=HIDDEN,
+                                 output_size=2 * inner, output_partition_sizes=[inner // tp, inner // tp])
+        rows = slice(rank * inner // tp, (rank + 1) * inner // tp)
+        weight = torch.cat([sent[part][rows] for part in parts])
+        report = {name: ("linear", x @ weight.T, linear_shard(module))}
+        assert compare_report(report, sent, "policy", 1e-5, {"gate_up_proj": ["gate_proj", "up_proj"]}).mismatches == []
+
+
 def test_a_vocab_shard_is_compared_on_its_own_rows():
     from spectrain.rollout.vllm.weight_probe import sampled_entries
 
@@ -91,3 +107,6 @@ def test_a_vocab_shard_is_compared_on_its_own_rows():
     assert compare_report(report, {"model.embed_tokens.weight": embed}, "policy", 1e-6, {}).mismatches == []
     wrong = {"model.embed_tokens.weight": ("param", sampled_entries(embed[0:5]), rows)}
     assert compare_report(wrong, {"model.embed_tokens.weight": embed}, "policy", 1e-6, {}).mismatches
+    # a rank whose padded shard holds no real row of a tiny vocabulary (vLLM pads each shard to 64 rows)
+    empty = {"model.embed_tokens.weight": ("param", sampled_entries(embed[10:10]), Shard(rows=((10, 10),)))}
+    assert compare_report(empty, {"model.embed_tokens.weight": embed}, "policy", 1e-6, {}).mismatches == []

@@ -41,6 +41,8 @@ def sampled_entries(t: torch.Tensor) -> torch.Tensor:
     """A fixed sample of a tensor's entries and its sum, in float64 (cheap to ship for any size)."""
     flat = t.detach().reshape(-1).double()
     count = min(flat.numel(), SAMPLED_ENTRIES)
+    if not count:
+        return torch.zeros(1, dtype=torch.float64)
     index = torch.arange(count, device=flat.device) * flat.numel() // count  # integers: the same on every side
     return torch.cat([flat[index], flat.sum()[None]]).cpu()
 
@@ -61,8 +63,9 @@ def linear_shard(module) -> Shard:
     sizes = list(getattr(module, "output_partition_sizes", [module.output_size]))
     if sum(sizes) == module.output_size:
         return Shard()
-    replicas = getattr(module, "num_kv_head_replicas", 1)  # QKV: K and V heads shared by this many ranks
-    per_part = [1] + [replicas] * (len(sizes) - 1) if hasattr(module, "num_kv_head_replicas") else [1] * len(sizes)
+    replicas = getattr(module, "num_kv_head_replicas", 1)  # QKV (q, k, v): K and V heads shared by this many ranks
+    qkv = len(sizes) == 3 and hasattr(module, "num_kv_head_replicas")
+    per_part = [1, replicas, replicas] if qkv else [1] * len(sizes)
     return Shard(rows=tuple(((rank // r) * n, (rank // r + 1) * n) for n, r in zip(sizes, per_part)))
 
 
@@ -87,14 +90,14 @@ def report_engine_weights(worker, which: str) -> tuple[Report, dict[str, list[st
                 x = probe_input(name, module.input_size, module.params_dtype)
                 if shard.columns is not None:
                     x = x[:, shard.columns[0]:shard.columns[1]]
-                bias = None if module.skip_bias_add else module.bias
-                out = module.quant_method.apply(module, x.to(device), bias)
+                # the bias too (forward may leave it to the caller): the trainer adds the sent one
+                out = module.quant_method.apply(module, x.contiguous().to(device), getattr(module, "bias", None))
                 report[name] = ("linear", out.float().cpu(), shard)
                 continue
             indices = getattr(module, "shard_indices", None)  # vocab embeddings: a row range, padded past it
             rows = (indices.org_vocab_start_index, indices.org_vocab_end_index) if indices is not None else None
             for param_name, param in module.named_parameters(recurse=False):
-                if param.numel():
+                if param.numel():  # a vocab shard may hold no real row (a tiny vocabulary): then its sum, 0
                     kept = param if rows is None else param[:rows[1] - rows[0]]
                     report[f"{name}.{param_name}" if name else param_name] = (
                         "param", sampled_entries(kept), Shard() if rows is None else Shard(rows=(rows,)))
