@@ -7,9 +7,14 @@ GRPO steps each, from one warm start and seed, in `rounds` interleaved rounds. P
 (all generated tokens over the rollout's seconds, the slowest engine's) and the step-time split (rollout, policy
 update, draft update, weight sync) over the timed steps (the first warms the engines up).
 
+A third layout, `rank0_half`, is `rank0` at half the prompts: one engine alone at the batch each engine of `all`
+decodes. Two engines that did not slow each other down would reach `2 x rank0_half / rank0` tokens/s of one
+(`half_batch_ceiling`): below 2 where an engine's tokens/s falls with its batch.
+
 Headline: `two_engines_over_one`, rollout tokens/s of `all` over `rank0` (median of the rounds' paired ratios,
-min..max); and `step_two_engines_over_one`, the same for the whole step. The rewards of the two layouts must agree:
-both serve the same per-request seeds, so they sample the same tokens up to the numerics of the batch size.
+min..max); `step_two_engines_over_one`, the same for the whole step; and `half_batch_ceiling`. The rewards of
+`rank0` and `all` must agree: both serve the same per-request seeds, so they sample the same tokens up to the
+numerics of the batch size (`rank0_half` trains on other prompts).
 
 Writes `rollout_scaling.json`, `rollout_scaling.md` and `rollout_scaling.png` under `out`.
 
@@ -29,11 +34,12 @@ from pathlib import Path
 
 from benchmarks.common import paired_ratios, recipe_options
 from benchmarks.speedup import RUN_SETTINGS, finite, ratio_text, round_order, timed, value_text
-from spectrain.errors import SpecTrainError
+from spectrain.config import load_config
+from spectrain.errors import ConfigError, SpecTrainError
 from spectrain.machine import machine_label
 from spectrain.plots import plot_panels
 
-LAYOUTS = {"rank0": ["rollout.engine_ranks=rank0"], "all": ["rollout.engine_ranks=all"]}
+ENGINE_RANKS = {"rank0": ["rollout.engine_ranks=rank0"], "all": ["rollout.engine_ranks=all"]}
 PARALLEL = ["parallel.dp=2"]
 DEFAULTS = {"recipe": "tiny_cpu", "steps": 6, "rounds": 2, "out": "docs/benchmarks",
             "work": "runs/bench_rollout_scaling"}
@@ -93,6 +99,9 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
                                                       column("rank0", "rollout_tokens_per_s")),
                 "step_two_engines_over_one": paired_ratios(column("rank0", "step_seconds"),
                                                            column("all", "step_seconds"))}
+    if figures.get("rank0_half"):
+        headline["half_batch_ceiling"] = paired_ratios([2 * x for x in column("rank0_half", "rollout_tokens_per_s")],
+                                                       column("rank0", "rollout_tokens_per_s"))
     return {"rounds": rounds, "layouts": per_layout, "headline": headline}
 
 
@@ -101,7 +110,7 @@ def markdown(payload: dict) -> str:
     rows = []
     for layout, m in s["layouts"].items():
         cell = lambda key, fmt=".2f", scale=1.0: value_text(m[key], fmt, scale)  # noqa: E731
-        rows.append(f"| {layout} | `{' '.join(LAYOUTS[layout])}` | {cell('rollout_tokens_per_s', '.0f')} | "
+        rows.append(f"| {layout} | `{' '.join(payload['layouts'][layout])}` | {cell('rollout_tokens_per_s', '.0f')} | "
                     f"{cell('sequences_per_engine', '.0f')} | {cell('step_seconds')} | "
                     f"{cell('rollout_share', '.0f', 100)}% | {cell('policy_share', '.0f', 100)}% | "
                     f"{cell('draft_share', '.0f', 100)}% | {cell('sync_share', '.0f', 100)}% | "
@@ -113,7 +122,7 @@ def markdown(payload: dict) -> str:
 
 Rollout tokens/s, an engine per rank over one engine on rank 0: {ratio_text(h['two_engines_over_one'])};
 the whole step: {ratio_text(h['step_two_engines_over_one'])} (above 1: faster; medians of the rounds' paired
-ratios, min..max).
+ratios, min..max).{ceiling_text(h)}
 
 Per layout, median over rounds (min..max): rollout tokens/s (every generated token over the rollout's seconds,
 the slowest engine's); the most sequences one engine decoded at once; mean step seconds and its split.
@@ -127,16 +136,25 @@ reward |
 """
 
 
+def ceiling_text(headline: dict) -> str:
+    if "half_batch_ceiling" not in headline:
+        return ""
+    c = headline["half_batch_ceiling"]
+    return (f"\nWhat two engines could reach if they did not slow each other down, 2 x `rank0_half` / `rank0` "
+            f"(one engine alone at half the batch): **{c['median']:.2f}x** ({c['min']:.2f}..{c['max']:.2f}).")
+
+
 def mean_curve(runs: list[dict], key: str) -> tuple[list[int], list[float]]:
     values = [r["per_step"][key] for r in runs]
     steps = min(len(v) for v in values)
     return list(range(1, steps + 1)), [statistics.fmean(v[i] for v in values) for i in range(steps)]
 
 
-def write_report(out: Path, runs: dict, options: dict, command: str) -> dict:
+def write_report(out: Path, runs: dict, options: dict, plan: dict[str, list[str]], command: str) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     summary = summarise(runs)
-    payload = {"command": command, "machine": machine_label(), "options": options, "summary": summary, "runs": runs}
+    payload = {"command": command, "machine": machine_label(), "options": options, "layouts": plan,
+               "summary": summary, "runs": runs}
     (out / "rollout_scaling.json").write_text(json.dumps(payload) + "\n")
     series = lambda key: {layout: mean_curve(rs, key) for layout, rs in runs.items() if rs}  # noqa: E731
     plot_panels(out / "rollout_scaling.png", f"{options['recipe']} at dp=2: engine layouts (mean over rounds)", [
@@ -146,22 +164,32 @@ def write_report(out: Path, runs: dict, options: dict, command: str) -> dict:
     return summary
 
 
-def parse(args: list[str]) -> tuple[dict, list[str]]:
-    return recipe_options("rollout_scaling", args, DEFAULTS,
-                          lambda _: [layout + PARALLEL for layout in LAYOUTS.values()])
+def layouts(recipe: str, overrides: list[str]) -> dict[str, list[str]]:
+    """The overrides of each layout: one engine on rank 0, one per rank, and one on rank 0 at half the prompts."""
+    prompts = load_config(recipe, overrides + PARALLEL).rollout.prompts_per_step
+    if prompts < 2:
+        raise ConfigError(f"bench rollout_scaling: rollout.prompts_per_step={prompts}: give at least 2, so that each "
+                          f"of the two engines has a prompt")
+    return {**ENGINE_RANKS, "rank0_half": [*ENGINE_RANKS["rank0"], f"rollout.prompts_per_step={prompts // 2}"]}
+
+
+def parse(args: list[str]) -> tuple[dict, list[str], dict[str, list[str]]]:
+    options, overrides = recipe_options("rollout_scaling", args, DEFAULTS,
+                                        lambda _: [layout + PARALLEL for layout in ENGINE_RANKS.values()])
+    return options, overrides, layouts(options["recipe"], overrides)
 
 
 def main(args: list[str]) -> int:
-    options, overrides = parse(args)
+    options, overrides, plan = parse(args)
     out, work = Path(options["out"]), Path(options["work"])
     command = " ".join(["spectrain bench rollout_scaling", *args])
-    runs: dict[str, list[dict]] = {layout: [] for layout in LAYOUTS}
+    runs: dict[str, list[dict]] = {layout: [] for layout in plan}
     for round_index in range(options["rounds"]):
-        for layout in round_order(list(LAYOUTS), round_index):
+        for layout in round_order(list(plan), round_index):
             print(f"[bench rollout_scaling] round {round_index + 1}/{options['rounds']}: {layout}", flush=True)
-            run = run_one(options["recipe"], overrides + LAYOUTS[layout], work / f"round{round_index}" / layout,
+            run = run_one(options["recipe"], overrides + plan[layout], work / f"round{round_index}" / layout,
                           work / "warmstart", options["steps"])
             runs[layout].append({**run, "round": round_index})
-        summary = write_report(out, runs, options, command)  # after every round: an interrupted study keeps it
+        summary = write_report(out, runs, options, plan, command)  # after every round: an interrupted study keeps it
     print(json.dumps(summary["headline"], indent=2))
     return 0

@@ -455,6 +455,7 @@ def test_bench_regime_decodes_at_full_agreement_and_writes_the_map(tmp_path):
     (("steps=1",), "bench rollout_scaling: steps=1 rounds=2: give steps >= 2"),
     (("rollout.tensor_parallel_size=3",), "bench rollout_scaling: rollout.tensor_parallel_size: is 3, which does not "
                                           "divide the 2 ranks"),
+    (("rollout.prompts_per_step=1",), "bench rollout_scaling: rollout.prompts_per_step=1: give at least 2"),
 ])
 def test_rollout_scaling_refuses_bad_options_before_any_work(capsys, args, message):
     code, err = _bench(capsys, "rollout_scaling", *args)
@@ -472,8 +473,10 @@ def test_rollout_scaling_summary_pairs_the_rounds():
                              "draft/seconds": [nan, 0.2, 0.2], "time/weight_sync": [0.1, 0.1, 0.1],
                              "spec/mean_acceptance_length": [3.0, 3.0, 3.0], "rollout/max_running": [64, 64, 64]}}
 
-    s = summarise({"rank0": [run(1000, 2.0), run(1200, 2.0)], "all": [run(1800, 1.6), run(1800, 1.6)]})
+    s = summarise({"rank0": [run(1000, 2.0), run(1200, 2.0)], "all": [run(1800, 1.6), run(1800, 1.6)],
+                   "rank0_half": [run(800, 1.2), run(900, 1.2)]})
     assert s["rounds"] == 2 and s["headline"]["two_engines_over_one"]["runs"] == [1.8, 1.5]
+    assert s["headline"]["half_batch_ceiling"]["runs"] == [1.6, 1.5]  # 2 x one engine at half the batch / rank0
     assert s["headline"]["step_two_engines_over_one"]["median"] == pytest.approx(1.25)
     split = s["layouts"]["all"]
     assert split["rollout_share"]["median"] == pytest.approx(0.5 / 1.6)
