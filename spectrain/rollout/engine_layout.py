@@ -63,10 +63,7 @@ class EngineLayout:
 
     def gather(self, local):
         """Every engine leader's `local`, in engine order, on every rank (collective when there are ranks)."""
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return [local]
-        everything = [None] * dist.get_world_size()
-        dist.all_gather_object(everything, (self.engine_index, local) if self.is_leader else None)
+        everything = self.gather_every_rank((self.engine_index, local) if self.is_leader else None)
         by_engine = dict(item for item in everything if item is not None)
         assert sorted(by_engine) == list(range(self.num_engines)), (sorted(by_engine), self)
         return [by_engine[e] for e in range(self.num_engines)]
