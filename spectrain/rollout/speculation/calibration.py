@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ class CalibrationResult:
     per_token_s: list[float]
     compute_bound_reached: bool  # False: some fitted counts lie below C, so the slope may be too low
     definition: str = CALIBRATION_DEFINITION
+    fallback: str | None = None  # why C is the largest count measured rather than a fitted ridge point
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -61,6 +63,12 @@ class CalibrationResult:
         return cls(**json.loads(Path(path).read_text()))
 
 
+def _slope(xs: list[int], ys: list[float]) -> float:
+    """Least-squares slope of `ys` over `xs`."""
+    x_mean, y_mean = statistics.fmean(xs), statistics.fmean(ys)
+    return sum((x - x_mean) * (y - y_mean) for x, y in zip(xs, ys)) / sum((x - x_mean) ** 2 for x in xs)
+
+
 def calibrate_verify_budget(measure: Callable[[int], float], token_counts: Iterable[int],
                             fit_points: int = 3) -> CalibrationResult:
     """Find `C` from `measure(n)`, the seconds of one target forward over `n` tokens.
@@ -69,6 +77,11 @@ def calibrate_verify_budget(measure: Callable[[int], float], token_counts: Itera
     two asymptotes of the cost meet: a roofline `max(floor, slope * n)` (memory and compute
     overlap, as on GPUs) and an affine `floor + slope * n` (a fixed per-step overhead, as on
     CPUs) both give it. See `CALIBRATION_DEFINITION`.
+
+    Where the largest `fit_points` counts show no growth, the fit widens to every count from the
+    fastest step on. Where the time never grows (a sweep that stays memory-bound, or timings a busy
+    machine scrambled), C is taken as the largest count measured, with `fallback` saying so: the
+    forward was no slower there than anywhere below it, so verifying that many tokens was cheap.
     """
     counts = sorted(set(token_counts))
     if len(counts) < 3:
@@ -77,18 +90,22 @@ def calibrate_verify_budget(measure: Callable[[int], float], token_counts: Itera
                           f"rollout.kv_cache_gib), or set speculation.verify_budget=N")
     times = [float(measure(n)) for n in counts]
     floor = min(times)
-    xs, ys = counts[-fit_points:], times[-fit_points:]
-    x_mean, y_mean = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - x_mean) * (y - y_mean) for x, y in zip(xs, ys)) / sum((x - x_mean) ** 2 for x in xs)
-    if slope <= 0:
-        raise ConfigError(f"speculation.verify_budget: the forward's time does not grow over the largest token counts "
-                          f"{xs} (times {ys}): the sweep never reached the compute-bound regime (or the machine was "
-                          f"busy). Measure larger counts, or set speculation.verify_budget=N from a run on an idle "
-                          f"machine")
+    fits = [counts[-fit_points:], counts[times.index(floor):]]
+    fitted = next((xs for xs in fits if len(xs) >= 2 and _slope(xs, times[-len(xs):]) > 0), None)
+    if fitted is None:
+        result = CalibrationResult(verify_budget=counts[-1], floor_s=floor, slope_s_per_token=0.0, token_counts=counts,
+                                   times_s=times, per_token_s=[t / n for t, n in zip(times, counts)],
+                                   compute_bound_reached=False)
+        result.fallback = (f"the forward's time did not grow over the token counts {counts} (seconds "
+                           f"{[round(t, 5) for t in times]}): the sweep stayed memory-bound, or the machine was busy. "
+                           f"C is taken as the largest count measured, {counts[-1]}; for a measured C run `spectrain "
+                           f"calibrate` on an idle machine, or set speculation.verify_budget=N")
+        return result
+    slope = _slope(fitted, times[-len(fitted):])
     budget = max(1, round(floor / slope))
     return CalibrationResult(verify_budget=budget, floor_s=floor, slope_s_per_token=slope, token_counts=counts,
                              times_s=times, per_token_s=[t / n for t, n in zip(times, counts)],
-                             compute_bound_reached=counts[-fit_points] >= budget)
+                             compute_bound_reached=fitted[0] >= budget)
 
 
 def decode_step(engine: VLLMRolloutEngine, batch: int, steps: int = 8) -> tuple[int, float]:
@@ -108,17 +125,23 @@ def decode_step(engine: VLLMRolloutEngine, batch: int, steps: int = 8) -> tuple[
 
 
 def measure_engine_verify_budget(engine: VLLMRolloutEngine, batches=CALIBRATION_BATCHES,
-                                 steps: int = 8) -> CalibrationResult:
+                                 steps: int = 8, sweeps: int = 3) -> CalibrationResult:
     """`C` for the engine's policy on this machine: plain decode steps at growing batch sizes.
 
     The engine must decode without a draft: a step of `n` sequences is then one target
-    forward over `n` tokens, the same cost a verify step of `n` tokens pays.
+    forward over `n` tokens, the same cost a verify step of `n` tokens pays. The sweep runs
+    `sweeps` times and each count keeps its fastest median: other work on the machine only ever
+    adds time, so the minimum is the forward's own cost.
     """
     batches = [b for b in batches if b <= engine.max_num_seqs]
     decode_step(engine, batches[0], steps=2)  # warm-up: first steps allocate and compile
-    seconds_by_tokens = dict(decode_step(engine, b, steps) for b in batches)
+    seconds_by_tokens: dict[int, float] = {}
+    for _ in range(sweeps):
+        for b in batches:
+            tokens, seconds = decode_step(engine, b, steps)
+            seconds_by_tokens[tokens] = min(seconds, seconds_by_tokens.get(tokens, seconds))
     result = calibrate_verify_budget(seconds_by_tokens.__getitem__, seconds_by_tokens)
-    result.meta = {"machine": machine_label(), "decode_steps_per_point": steps, "batches": batches}
+    result.meta = {"machine": machine_label(), "decode_steps_per_point": steps, "sweeps": sweeps, "batches": batches}
     return result
 
 
@@ -170,3 +193,5 @@ def ensure_verify_budget(config: SpecTrainConfig, policy_dir: Path, run_dir: Pat
     result.meta["policy"] = str(policy_dir)
     path = result.save(Path(run_dir) / CALIBRATION_FILE)
     print(f"[spectrain] verify budget C = {result.verify_budget} tokens per target forward; written to {path}")
+    if result.fallback:
+        warnings.warn(f"speculation.verify_budget: {result.fallback}", RuntimeWarning, stacklevel=2)
