@@ -14,7 +14,7 @@ The end-to-end part runs real GRPO steps (`GRPOModule` under a Lightning Trainer
 `DraftCoTraining` and `WeightSync` callbacks, as `spectrain fit` runs them: rollout with
 sampling, policy update, draft update, weight sync) with and without long-tail spot updates.
 
-Options (key=value): see `BenchOptions`.
+Options (key=value): `BenchOptions` (`spectrain bench adaptive --help` lists them with their defaults).
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ from spectrain.train.module import GRPOModule
 
 @dataclass
 class BenchOptions:
-    out: str = "docs/benchmarks"
+    out: str = "runs/bench_adaptive"  # out=docs/benchmarks regenerates the committed results
     threads: int = 0  # torch/vLLM CPU threads; 0 = torch's default (all cores). 1 is far steadier on a shared machine
     run_dir: str = ""  # use <run_dir>/final/{policy,draft} instead of the built-in tiny pair
     seed: int = 0
@@ -537,8 +537,11 @@ def headline(throughput: dict) -> dict:
     return out
 
 
+DEFAULTS = dataclasses.asdict(BenchOptions())
+
+
 def parse(args: list[str]) -> BenchOptions:
-    return BenchOptions(**parse_options("adaptive", args, dataclasses.asdict(BenchOptions())))
+    return BenchOptions(**parse_options("adaptive", args, DEFAULTS))
 
 
 def main(overrides: list[str]) -> int:

@@ -11,7 +11,7 @@ and `none` (medians of paired rounds).
 
 Writes `cotraining_cost.json`, `cotraining_cost.md` and `cotraining_cost.png` under `out`.
 
-Usage: `spectrain bench cotraining_cost [RECIPE] [steps=24] [rounds=2] [variants=...] [out=docs/benchmarks]
+Usage: `spectrain bench cotraining_cost [RECIPE] [steps=24] [rounds=2] [variants=...] [out=runs/bench_cotraining_cost]
 [work=runs/bench_cotraining_cost] [key=value ...]` (any other key=value is a recipe override for every run).
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ REFERENCE = "every_step"  # the default co-training every variant is compared wi
 # a large draft vocabulary, not time at a small one
 DEFAULT_VARIANTS = ("none", "every_step", "every_2", "every_4", "hold", "ttt_2")
 DEFAULTS = {"recipe": "tiny_cpu", "steps": 24, "rounds": 2, "variants": ",".join(DEFAULT_VARIANTS),
-            "out": "docs/benchmarks", "work": "runs/bench_cotraining_cost"}
+            "out": "runs/bench_cotraining_cost", "work": "runs/bench_cotraining_cost"}
 
 
 def zero_if_nan(x: float) -> float:

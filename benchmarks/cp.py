@@ -26,7 +26,7 @@ Time is the wall time of the same run (one warm-up per process before the sweep)
 2-core machine four processes share two cores, so times there are not speed-ups.
 
 Usage: `spectrain bench cp [tokens=1024,2048,...,32768] [cp=1,2,4] [ttt_passes=3]
-[dense_max_gib=2] [out=docs/benchmarks]`; writes cp.json, cp.md and cp.png under `out`.
+[dense_max_gib=2] [out=runs/bench_cp]`; writes cp.json, cp.md and cp.png under `out`.
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ from spectrain.parallel.spawn import run_distributed
 from spectrain.plots import plot_panels
 
 DEFAULTS = {"tokens": "1024,2048,4096,8192,16384,32768", "cp": "1,2,4", "ttt_passes": 3, "dense_max_gib": 2.0,
-            "out": "docs/benchmarks", "timeout": 1800.0}
+            "out": "runs/bench_cp", "timeout": 1800.0}
 POLICY = dict(vocab_size=128, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2)
 HQ, HKV, D = 4, 2, 32  # the draft's attention (hidden 128)
@@ -314,7 +314,7 @@ def summarise(rows: list[dict], cps: list[int]) -> dict:
 
 def write_report(out_dir: Path, o: dict, rows: list[dict], summary: dict, label: str, seconds: float) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    opts = {k: v for k, v in o.items() if k not in ("out", "token_list", "cp_list", "timeout")}
+    opts = {k: v for k, v in o.items() if k not in ("token_list", "cp_list", "timeout")}
     (out_dir / "cp.json").write_text(json.dumps({"machine": label, "options": opts, "rows": rows,
                                                  "summary": summary, "seconds": seconds}, indent=2))
     panels = [("TTT attention: peak MiB per rank", series(rows, "ttt", "peak_mib")),

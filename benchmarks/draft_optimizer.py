@@ -6,7 +6,7 @@ draft's loss jumps and vLLM's acceptance falls below the frozen draft's. This ru
 steps (one shared warm start, the same seeds) once per option and records, per step, the draft
 loss and the acceptance length; it writes `draft_optimizer.json|md|png` under `out`.
 
-Usage: `spectrain bench draft_optimizer [RECIPE] [steps=20] [out=docs/benchmarks] [key=value ...]`
+Usage: `spectrain bench draft_optimizer [RECIPE] [steps=20] [out=runs/bench_draft_optimizer] [key=value ...]`
 (other `key=value` pairs are recipe overrides applied to every run).
 """
 from __future__ import annotations
@@ -21,7 +21,8 @@ from spectrain.config import load_config
 from spectrain.machine import machine_label
 from spectrain.plots import plot_panels
 
-DEFAULTS = {"recipe": "tiny_cpu", "steps": 20, "out": "docs/benchmarks", "work": "runs/bench_draft_optimizer"}
+DEFAULTS = {"recipe": "tiny_cpu", "steps": 20, "out": "runs/bench_draft_optimizer",
+            "work": "runs/bench_draft_optimizer"}
 OLD = ["draft.lr_ramp_updates=0", "draft.carry_warmup_optimizer=false"]
 OPTIONS = {  # label -> overrides; the last one is the default configuration
     "frozen draft": ["draft.mode=frozen"],

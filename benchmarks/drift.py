@@ -45,7 +45,7 @@ ACCEPTANCE = "spec/mean_acceptance_length"
 DEFAULTS = {"recipe": "tiny_cpu", "steps": 300, "speed_steps": 20, "seeds": 1, "scenarios": ",".join(SCENARIOS),
             "shift": "task.digits=3,rollout.max_new_tokens=32",
             "deep": "policy.num_hidden_layers=24,sft.steps=100,draft.warmup_steps=100",
-            "resume": "false", "out": "docs/benchmarks", "work": "runs/bench_drift"}
+            "resume": "false", "out": "runs/bench_drift", "work": "runs/bench_drift"}
 
 
 @dataclass(frozen=True)

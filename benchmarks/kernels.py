@@ -8,7 +8,8 @@ Two measurements, each forward + backward on the same random inputs:
   chunked in torch (`chunked`) and in Triton (`triton`).
 Headline ratios are taken side by side in one run: Triton time over torch time for the attention, fused peak
 memory over unfused peak memory for the loss. Peak memory is CUDA's allocator peak above the inputs (not
-measured on CPU). Writes `kernels.json|md|png` under `out` (default `docs/benchmarks/gpu`).
+measured on CPU). Writes `kernels.json|md|png` under `out` (default `runs/bench_kernels`; `out=docs/benchmarks/gpu`
+regenerates the committed GPU results).
 
 The "torch" attention path is what `policy.attention_backend=torch` runs: the blockwise torch trunk and the
 closed-form branch (on CUDA their log-sum-exp merge is the Triton merge kernel, as in a run).
@@ -36,7 +37,7 @@ from spectrain.plots import plot_panels
 
 DEFAULTS = {"tokens": "4096,8192,16384,32768,65536", "doc_tokens": 2048, "heads": 32, "kv_heads": 8,
             "head_dim": 128, "passes": 3, "hidden": 4096, "vocab": 32000, "chunk": 1024, "reps": 5,
-            "dtype": "bfloat16", "out": "docs/benchmarks/gpu"}
+            "dtype": "bfloat16", "out": "runs/bench_kernels"}
 CPU_DEFAULTS = {**DEFAULTS, "tokens": "64,128", "doc_tokens": 40, "heads": 4, "kv_heads": 2, "head_dim": 16,
                 "hidden": 32, "vocab": 64, "chunk": 16, "reps": 1, "dtype": "float32", "out": "runs/bench_kernels_cpu"}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

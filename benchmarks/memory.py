@@ -14,7 +14,7 @@ live before the step and not counted; the process's `ru_maxrss` growth over the 
 
 Usage: `spectrain bench memory [scales=1,4,16] [docs=8] [prompt=64] [response=192] [hidden=256] [layers=4]
 [vocab=8000] [draft_vocab=2000] [micro_batch_tokens=1024] [loss_kernel=chunked] [quick=false]
-[out_dir=docs/benchmarks]`; writes memory.json, memory.md and memory.png under `out_dir`. `quick=true` shrinks
+[out_dir=runs/bench_memory]`; writes memory.json, memory.md and memory.png under `out_dir`. `quick=true` shrinks
 every size not given explicitly (for the tests).
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ from spectrain.plots import plot_panels
 
 DEFAULTS = {"scales": "1,4,16", "docs": 8, "prompt": 64, "response": 192, "hidden": 256, "layers": 4,
             "vocab": 8000, "draft_vocab": 2000, "micro_batch_tokens": 1024, "loss_kernel": "chunked",
-            "quick": "false", "out_dir": "docs/benchmarks"}
+            "quick": "false", "out_dir": "runs/bench_memory"}
 QUICK = {"scales": "1,4", "docs": 4, "prompt": 8, "response": 24, "hidden": 64, "layers": 4, "vocab": 512,
          "draft_vocab": 128, "micro_batch_tokens": 64}
 MODES = ("before", "after")  # micro_batch_tokens None / the option

@@ -16,7 +16,7 @@ round, so slow drift of a shared machine's load hits all modes alike. Overhead i
 both as the ratio of medians and as the median of the per-round ratios (paired, the headline).
 
 Usage: `spectrain bench pp [layers=8] [hidden=256] [docs=24] [doc_len=64] [microbatches=4]
-[rounds=8] [out=docs/benchmarks]`; writes pp.json, pp.md and pp.png under `out`.
+[rounds=8] [out=runs/bench_pp]`; writes pp.json, pp.md and pp.png under `out`.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from spectrain.plots import plot_panels
 SCHEDULES = ("1F1B", "GPipe")
 MODES = ("taps", "no_taps", "blocking")
 DEFAULTS = {"layers": 8, "hidden": 256, "docs": 24, "doc_len": 64, "microbatches": 4, "rounds": 8,
-            "out": "docs/benchmarks"}
+            "out": "runs/bench_pp"}
 TARGET_OVERHEAD = 0.05
 
 
@@ -240,7 +240,7 @@ def write_report(out_dir: Path, o: dict, ranks: list[dict], summary: dict, label
         verdict = (f"{'met' if h['target_met'] else '**missed**'} on the direct measures (CPU time, tap-call time); "
                    f"the wall-clock quartiles are wider than the +/-{100 * TARGET_OVERHEAD:.0f}% band, so wall clock "
                    f"is inconclusive on this machine")
-    opts = " ".join(f"{k}={v}" for k, v in o.items() if k != "out")
+    opts = " ".join(f"{k}={v}" for k, v in o.items())
     (out_dir / "pp.md").write_text(f"""# Pipeline taps benchmark
 
 `spectrain bench pp {opts}` on {label}.

@@ -15,7 +15,7 @@ order alternating) and reports tokens/s of both and their ratio (median of the p
 Writes `regime.json`, `regime.md` and `regime.png` under `out`.
 
 Usage: `spectrain bench regime [sizes=4x128,8x512,16x1024] [concurrency=1,4,16,64] [k=3] [new_tokens=64]
-[repeats=2] [dtype=bfloat16] [out=docs/benchmarks] [work=runs/bench_regime]`.
+[repeats=2] [dtype=bfloat16] [out=runs/bench_regime] [work=runs/bench_regime]`.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from spectrain.models.llama import LlamaConfig, LlamaForCausalLM
 from spectrain.plots import plot_panels
 
 DEFAULTS = {"sizes": "4x128,8x512,16x1024", "concurrency": "1,4,16,64", "k": 3, "new_tokens": 64, "repeats": 2,
-            "dtype": "bfloat16", "out": "docs/benchmarks", "work": "runs/bench_regime"}
+            "dtype": "bfloat16", "out": "runs/bench_regime", "work": "runs/bench_regime"}
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 VOCAB = 128
 PROMPT_TOKENS = 16

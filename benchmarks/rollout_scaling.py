@@ -18,7 +18,7 @@ numerics of the batch size (`rank0_half` trains on other prompts).
 
 Writes `rollout_scaling.json`, `rollout_scaling.md` and `rollout_scaling.png` under `out`.
 
-Usage: `spectrain bench rollout_scaling [RECIPE] [steps=6] [rounds=2] [out=docs/benchmarks]
+Usage: `spectrain bench rollout_scaling [RECIPE] [steps=6] [rounds=2] [out=runs/bench_rollout_scaling]
 [work=runs/bench_rollout_scaling] [key=value ...]` (any other key=value is a recipe override for every run).
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ from spectrain.plots import plot_panels
 
 ENGINE_RANKS = {"rank0": ["rollout.engine_ranks=rank0"], "all": ["rollout.engine_ranks=all"]}
 PARALLEL = ["parallel.dp=2"]
-DEFAULTS = {"recipe": "tiny_cpu", "steps": 6, "rounds": 2, "out": "docs/benchmarks",
+DEFAULTS = {"recipe": "tiny_cpu", "steps": 6, "rounds": 2, "out": "runs/bench_rollout_scaling",
             "work": "runs/bench_rollout_scaling"}
 KEPT = ("reward", "time/step", "rollout/seconds", "rollout/tokens_per_s", "draft/seconds", "time/weight_sync",
         "spec/mean_acceptance_length", "rollout/max_running")

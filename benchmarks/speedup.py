@@ -15,7 +15,7 @@ its difference to `none` with the standard error of the per-step differences.
 
 Writes `speedup.json`, `speedup.md` and `speedup.png` under `out`.
 
-Usage: `spectrain bench speedup [RECIPE] [steps=8] [rounds=3] [modes=...] [ks=1,2] [out=docs/benchmarks]
+Usage: `spectrain bench speedup [RECIPE] [steps=8] [rounds=3] [modes=...] [ks=1,2] [out=runs/bench_speedup]
 [work=runs/bench_speedup] [key=value ...]` (any other key=value is a recipe override for every run).
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ from spectrain.plots import plot_panels
 ADAPTIVE = ("concurrency", "bandit")
 BASE_MODES = ("none", "frozen", "cotrained", *ADAPTIVE)
 DEFAULTS = {"recipe": "tiny_cpu", "steps": 8, "rounds": 3, "modes": ",".join(BASE_MODES), "ks": "1,2",
-            "out": "docs/benchmarks", "work": "runs/bench_speedup"}
+            "out": "runs/bench_speedup", "work": "runs/bench_speedup"}
 KEPT = ("step", "reward", "time/step", "rollout/seconds", "rollout/tokens_per_s", "draft/seconds",
         "time/weight_sync", "spec/mean_acceptance_length", "spec/k_mean", "draft/updated")
 RUN_SETTINGS = ["trainer.progress_bar=false", "trainer.eval_every_n_steps=0", "trainer.log_samples_every_n_steps=0",

@@ -24,6 +24,20 @@ def exported_steps(root: Path) -> list[int]:
     return sorted(int(m.group(1)) for p in Path(root).iterdir() if p.is_dir() and (m := _STEP_DIR.fullmatch(p.name)))
 
 
+def write_aside(folder: Path | None, write: Callable[[Path | None], None]) -> None:
+    """`write` into `<folder>.partial`, then rename it onto `folder`: the folder is complete or absent, never half
+    written (an interrupted write leaves only the `.partial` folder, which the next write replaces). A rank that
+    takes part in a collective `write` without writing passes `folder=None` (`write(None)`)."""
+    if folder is None:
+        write(None)
+        return
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    write(partial)
+    shutil.rmtree(folder, ignore_errors=True)
+    partial.rename(folder)
+
+
 class PeriodicExport(Callback):
     """Every `every_n_steps` steps, `export(out_dir)` writes `<root>/step_NNNNNN/{policy,draft}`.
 
@@ -48,14 +62,8 @@ class PeriodicExport(Callback):
         step = trainer.global_step
         if step % self.every_n_steps:
             return
-        final = export_dir(self.root, step)
-        partial = final.with_name(final.name + ".partial")
+        write_aside(export_dir(self.root, step) if trainer.is_global_zero else None, self.export)
         if trainer.is_global_zero:
-            shutil.rmtree(partial, ignore_errors=True)
-        self.export(partial if trainer.is_global_zero else None)
-        if trainer.is_global_zero:
-            shutil.rmtree(final, ignore_errors=True)
-            partial.rename(final)
             self._drop_old()
 
     def _drop_old(self) -> None:

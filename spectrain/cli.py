@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import sys
 import tempfile
 import warnings
 from pathlib import Path
 
-from spectrain import console
+from spectrain import console, cpu_runtime
 from spectrain.config import DEFAULT_RECIPE, load_config, packaged_recipe_dir, to_yaml
 from spectrain.errors import ConfigError, InputWarning, SpecTrainError
 from spectrain.parallel.slurm import adopt_slurm_environment
@@ -29,6 +30,11 @@ ERROR_FILE_ENV = "SPECTRAIN_ERROR_FILE"  # set for the ranks by a relaunching `s
 
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
+
+
+def is_override(arg: str) -> bool:
+    """A `key=value` override, not a file that happens to hold `=` in its name."""
+    return "=" in arg and not Path(arg).expanduser().is_file()
 
 
 def recipe_description(path: Path) -> str:
@@ -80,6 +86,9 @@ def _fit(args) -> int:
     p = config.parallel
     # not under torchrun yet: start it (its run id, not LOCAL_WORLD_SIZE, which an in-process vLLM engine sets)
     if p.pp * p.dp * p.cp > 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
+        from spectrain.parallel.strategy import check_standalone_launch
+
+        check_standalone_launch(p.pp * p.dp * p.cp)  # MASTER_ADDR, NODE_RANK, ... set: refused, not ignored
         SpecTrainer(config).check_inputs()  # a bad input fails here, once, and writes nothing
         return _relaunch(p.pp * p.dp * p.cp, args)
     result = SpecTrainer(config).fit()
@@ -131,8 +140,9 @@ def _plan(args) -> int:
     """Exit 0 when the plan fits `--gpu-memory`, 1 when it does not (with the keys to change)."""
     from spectrain.train.memory_plan import GIB, format_plan, plan_config, policy_architecture, verdict
 
-    if not args.gpu_memory > 0:
-        raise ConfigError(f"--gpu-memory: is {args.gpu_memory}; give one GPU's memory in GiB, e.g. --gpu-memory 80")
+    if not (math.isfinite(args.gpu_memory) and args.gpu_memory > 0):
+        raise ConfigError(f"--gpu-memory: is {args.gpu_memory}; give one GPU's memory in GiB, a finite number "
+                          f"above 0, e.g. --gpu-memory 80")
     config = _plan_config(args)
     policy = policy_architecture(config)
     plan = plan_config(config, int(args.gpu_memory * GIB), policy)
@@ -147,7 +157,7 @@ def _calibrate(args) -> int:
     result, path = calibrate(load_config(args.recipe, args.overrides))
     for n, t, per in zip(result.token_counts, result.times_s, result.per_token_s):
         print(f"  {n:5d} tokens/step  {1e3 * t:8.2f} ms  {1e6 * per:8.1f} us/token")
-    note = ("" if result.compute_bound_reached else
+    note = ("" if result.compute_bound_reached else f" ({result.fallback})" if result.fallback else
             " (the fitted counts start below C: extend the sweep; the slope, and so C, may be off)")
     print(f"verify budget C = {result.verify_budget} tokens per target forward{note}; written to {path}")
     return 0
@@ -156,8 +166,15 @@ def _calibrate(args) -> int:
 def _eval(args) -> int:
     from spectrain.evaluate import evaluate_run
 
-    result = evaluate_run(args.run, val_files=args.val_files, samples=args.samples, correct_at=args.correct_at,
-                          overrides=args.overrides)
+    # `--val-files a.jsonl key=value`: the overrides after the files (argparse gives them to --val-files)
+    given = args.val_files or []
+    val_files = [f for f in given if not is_override(f)]
+    if given and not val_files:
+        raise ConfigError(f"--val-files: {' '.join(given)} names no prompt file; give the files first, e.g. "
+                          f"--val-files val.jsonl {given[0]}")
+    overrides = [*args.overrides, *(f for f in given if is_override(f))]
+    result = evaluate_run(args.run, val_files=val_files, samples=args.samples, correct_at=args.correct_at,
+                          overrides=overrides)
     text = json.dumps(result, indent=2)
     if args.out:
         Path(args.out).expanduser().parent.mkdir(parents=True, exist_ok=True)
@@ -166,17 +183,39 @@ def _eval(args) -> int:
     return 0
 
 
-def _bench(args) -> int:
+def benchmark_module(name: str):
     """Benchmarks live beside the package in the source tree (`benchmarks/`), not in the wheel."""
     repo = Path(__file__).resolve().parents[1]
-    if not (repo / "benchmarks" / f"{args.name}.py").is_file():
-        raise ConfigError(f"benchmark '{args.name}': no {repo / 'benchmarks'} folder; benchmarks ship with the source "
+    if not (repo / "benchmarks" / f"{name}.py").is_file():
+        raise ConfigError(f"benchmark '{name}': no {repo / 'benchmarks'} folder; benchmarks ship with the source "
                           f"repository, not the installed package: run `spectrain bench` from a clone installed with "
                           f"`pip install -e .` (`make setup`)")
     if str(repo) not in sys.path:
         sys.path.insert(0, str(repo))
-    module = importlib.import_module(f"benchmarks.{args.name}")
-    return module.main(args.overrides) or 0
+    return importlib.import_module(f"benchmarks.{name}")
+
+
+def _bench(args) -> int:
+    return benchmark_module(args.name).main(args.overrides) or 0
+
+
+class BenchHelp(argparse.Action):
+    """`bench --help`: the command's help; `bench NAME --help`: the benchmark's own (its docstring and options)."""
+
+    def __init__(self, option_strings, dest, help=None):
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if namespace.name is None:
+            parser.print_help()
+            parser.exit()
+        try:
+            module = benchmark_module(namespace.name)
+        except ConfigError as exc:
+            parser.exit(2, f"error: {exc}\n")
+        options = "\n".join(f"  {key}={value}" for key, value in module.DEFAULTS.items())
+        print(f"{module.__doc__.strip()}\n\noptions (key=value), with their defaults:\n{options}")
+        parser.exit()
 
 
 def report_error(exc: SpecTrainError) -> None:
@@ -232,7 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("overrides", nargs="*", help="key=value overrides of the run's config, e.g. "
                                                         "rollout.eval_prompts=500")
     evaluate.add_argument("--val-files", nargs="+", metavar="FILE",
-                          help="held-out prompt files (JSONL or parquet) instead of the run's")
+                          help="held-out prompt files (.jsonl, .json or .parquet) instead of the run's; key=value "
+                               "overrides may follow them")
     evaluate.add_argument("--samples", type=int, metavar="K",
                           help="sampled completions per prompt (default: the run's rollout.eval_samples)")
     evaluate.add_argument("--correct-at", type=float, default=1.0, metavar="X",
@@ -243,9 +283,15 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.set_defaults(func=_eval)
     recipes = sub.add_parser("recipes", help="list the packaged recipes, one line each")
     recipes.set_defaults(func=_recipes)
-    bench = sub.add_parser("bench", help="run a benchmark; results go to docs/benchmarks/")
-    bench.add_argument("name", choices=BENCHMARKS)
-    bench.add_argument("overrides", nargs="*", help="key=value options of the benchmark")
+    bench = sub.add_parser("bench", help="run a benchmark (source tree only); its report goes to runs/bench_NAME/",
+                           add_help=False, epilog="`spectrain bench NAME --help` shows what NAME measures and its "
+                                                  "options. A report goes to runs/bench_NAME/ unless the benchmark's "
+                                                  "out option (out_dir for memory) names another folder, e.g. "
+                                                  "out=docs/benchmarks to regenerate the committed results")
+    bench.add_argument("-h", "--help", action=BenchHelp, help="this help; after NAME, the benchmark's own options")
+    bench.add_argument("name", choices=BENCHMARKS, metavar="NAME", help=", ".join(BENCHMARKS))
+    bench.add_argument("overrides", nargs="*", help="key=value options of the benchmark (a recipe benchmark takes "
+                                                    "a recipe name first and recipe overrides too)")
     bench.set_defaults(func=_bench)
     return parser
 
@@ -256,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[console.VERBOSE_ENV] = "1"
     console.quiet_third_party_output()  # again for in-process callers: what is not read at import still applies
     recipe = getattr(args, "recipe", None)
-    if recipe is not None and "=" in recipe and not Path(recipe).is_file():  # `fit key=value`: an override, no recipe
+    if recipe is not None and is_override(recipe):  # `fit key=value`: an override, no recipe
         args.overrides, args.recipe = [recipe, *args.overrides], None if args.command == "fit" else DEFAULT_RECIPE
     try:
         return args.func(args)
@@ -267,5 +313,6 @@ def main(argv: list[str] | None = None) -> int:
         return getattr(exc, "exit_code", 2)  # 128 + signal for a run stopped by SIGTERM/SIGINT
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # `python -m spectrain.cli` (torchrun, srun): the CPU runtime of `spectrain`, whose restart
+    cpu_runtime.preload_and_restart(sys.argv[1:])  # is `python -m spectrain` (spectrain/__main__.py) with it preloaded
     sys.exit(main())

@@ -16,6 +16,7 @@ import torch
 from spectrain.callbacks.periodic_export import exported_steps
 from spectrain.config import load_config
 from spectrain.errors import ConfigError
+from spectrain.tasks.hf_tokenizer import TOKENIZER_FILES
 from spectrain.tasks.rewards import reward_inputs, reward_name, score_batch
 from spectrain.train.module import sampling_config
 from spectrain.train.trainer import SpecTrainer
@@ -60,10 +61,32 @@ def resolve(target: str | Path) -> tuple[Path, Path]:
     if (path / "final" / "policy" / "config.json").is_file():
         return path / "config.yaml", path / "final"
     steps = exported_steps(path / "exports")
+    if (path / "final.partial").is_dir():
+        newest = f"; or evaluate its newest export, {path / 'exports' / f'step_{steps[-1]:06d}'}" if steps else ""
+        raise ConfigError(f"eval: the final export of {target} was interrupted (final.partial/ is incomplete, there "
+                          f"is no final/): run the run's `spectrain fit` command again, which resumes "
+                          f"checkpoints/last.ckpt and writes final/{newest}")
     if not steps:
         raise ConfigError(f"eval: the run {target} has no exported policy yet (no final/, no exports/): finish "
                           f"the run, or set trainer.export_every_n_steps to export while it trains")
     return path / "config.yaml", path / "exports" / f"step_{steps[-1]:06d}"
+
+
+def check_export(export: Path, config) -> None:
+    """Refuse an export that lacks what the engine loads (the policy's weights and tokenizer, and the draft of a run
+    that trains one), naming what is missing, before vLLM fails on it. spectrain writes an export aside and renames
+    it when complete, so such a folder was cut short by an older version, or changed since."""
+    policy, draft = export / "policy", config.draft.mode
+    present = {"policy/*.safetensors (the weights)": any(policy.glob("*.safetensors")),
+               f"tokenizer in policy/ ({' or '.join(TOKENIZER_FILES)})": any((policy / name).is_file()
+                                                                             for name in TOKENIZER_FILES),
+               f"draft/config.json (the run trains a draft: draft.mode={draft})":
+                   draft == "none" or (export / "draft" / "config.json").is_file()}
+    missing = [what for what, there in present.items() if not there]
+    if missing:
+        fix = ("run the run's `spectrain fit` command again: it resumes checkpoints/last.ckpt and writes final/ anew"
+               if export.name == "final" else "evaluate a complete export, e.g. the run's final/")
+        raise ConfigError(f"eval: {export} is incomplete: no {', no '.join(missing)}; {fix}")
 
 
 def evaluate_run(target: str | Path, val_files: list[str] | None = None, samples: int | None = None,
@@ -73,6 +96,7 @@ def evaluate_run(target: str | Path, val_files: list[str] | None = None, samples
     started = time.perf_counter()
     config_path, export = resolve(target)
     config = load_config(str(config_path), list(overrides or []))
+    check_export(export, config)
     if val_files:
         config.data.val_files = [str(Path(f).expanduser()) for f in val_files]
     k = config.rollout.eval_samples if samples is None else samples

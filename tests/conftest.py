@@ -3,6 +3,7 @@ import os
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("SPECTRAIN_WARMSTART_STORE", "0")  # each test trains its own warm start (test_warm_start_store)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -165,6 +165,11 @@ def _first_line(exc: Exception) -> str:
 ASSET_CACHE_ENV = "SPECTRAIN_CACHE"  # where generated assets go; default ~/.cache/spectrain
 
 
+def cache_home() -> Path:
+    """$SPECTRAIN_CACHE, default ~/.cache/spectrain: what spectrain generates once per machine and reuses."""
+    return Path(os.environ.get(ASSET_CACHE_ENV) or Path.home() / ".cache" / "spectrain")
+
+
 def asset_path(name: str) -> str:
     """`${spectrain.asset:hf_tiny/policy}` in a recipe: a file or directory the project generates itself (no hub is
     needed), written once under $SPECTRAIN_CACHE (default ~/.cache/spectrain) and reused after."""
@@ -174,7 +179,7 @@ def asset_path(name: str) -> str:
     if bundle != "hf_tiny":
         raise ConfigError(f"unknown asset '{name}' in ${{spectrain.asset:...}}; the project generates hf_tiny/policy, "
                           f"hf_tiny/train, hf_tiny/val and hf_tiny/draft")
-    root = Path(os.environ.get(ASSET_CACHE_ENV) or Path.home() / ".cache" / "spectrain") / "assets"
+    root = cache_home() / "assets"
     assets = write_hf_tiny_assets(root / bundle)
     paths = {"policy": assets.policy_dir, "train": assets.train_file, "val": assets.val_file,
              "draft": assets.draft_dir}
@@ -267,8 +272,20 @@ def _expand_paths(config: SpecTrainConfig) -> None:
         setattr(section, name, value)
 
 
+def _keys_without_space(value) -> list[str]:
+    """The mapping keys in a parsed override that YAML read from `key:value` (no space after ':') as one key with
+    no value."""
+    if isinstance(value, dict):
+        return [k for k, v in value.items() if isinstance(k, str) and ":" in k and v is None] + [
+            k for v in value.values() for k in _keys_without_space(v)]
+    if isinstance(value, list):
+        return [k for v in value for k in _keys_without_space(v)]
+    return []
+
+
 def _parse_overrides(overrides: list[str]) -> DictConfig:
-    """The command line as one layer; an override whose value is not YAML is named (`[a,{]`, `[${X}/a]`)."""
+    """The command line as one layer; an override whose value is not YAML is named (`[a,{]`, `[${X}/a]`), and so is a
+    mapping written without a space after ':' (`{a:1}`, which YAML reads as the key 'a:1' with no value)."""
     layer = OmegaConf.create()
     for item in overrides:
         try:
@@ -277,6 +294,14 @@ def _parse_overrides(overrides: list[str]) -> DictConfig:
             reason = getattr(exc, "problem", None) or _first_line(exc)
             raise ConfigError(f"override '{item}' cannot be parsed ({reason}); its value is read as YAML: quote "
                               f"items with braces or commas, e.g. 'data.train_files=[\"${{HOME}}/a.jsonl\"]'") from exc
+        bad = _keys_without_space(OmegaConf.to_container(layer, resolve=False))  # the earlier items had none
+        if bad:
+            fixed = item
+            for key in bad:
+                fixed = fixed.replace(key, key.replace(":", ": ", 1))
+            what = "a key without a value" if len(bad) == 1 else "keys without values"
+            raise ConfigError(f"override '{item}': YAML reads {', '.join(repr(k) for k in bad)} as {what} (a mapping "
+                              f"needs a space after ':'); write '{fixed}'")
     return layer
 
 

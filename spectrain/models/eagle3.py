@@ -524,8 +524,9 @@ def _draft_config(path: Path, raw: dict, policy_cfg: LlamaConfig | None) -> Eagl
     kwargs["rope_theta"] = (raw.get("rope_parameters") or {}).get("rope_theta", raw.get("rope_theta", 10000.0))
     kwargs.setdefault("draft_vocab_size", raw["vocab_size"])
     kwargs.setdefault("target_hidden_size", raw["hidden_size"])
+    tap_layers = _aux_layer_ids(path, raw, policy_cfg)  # outside the try: its ConfigError already names the fix
     try:
-        return Eagle3Config(tap_layers=_aux_layer_ids(path, raw, policy_cfg), **kwargs)
+        return Eagle3Config(tap_layers=tap_layers, **kwargs)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"draft.path={path}: config.json is not a usable EAGLE-3 draft config: {exc}") from exc
 
@@ -538,8 +539,9 @@ def _aux_layer_ids(path: Path, raw: dict, policy_cfg: LlamaConfig | None) -> tup
     if ids:
         return tuple(ids)
     if policy_cfg is None:
-        raise ConfigError(f"draft.path={path}: config.json has no eagle_config.eagle_aux_hidden_state_layer_ids "
-                          "and the aux layers default from the policy's depth: pass policy_cfg")
+        raise ConfigError(f"draft.path={path}: config.json does not say which policy layers the draft reads (no "
+                          "eagle_config.eagle_aux_hidden_state_layer_ids, as SpecForge writes it); add them, e.g. "
+                          "\"eagle_config\": {\"eagle_aux_hidden_state_layer_ids\": [1, 2, 3]}")
     ids = default_tap_layers(policy_cfg.num_hidden_layers)
     warnings.warn(f"draft.path={path}: config.json has no eagle_config.eagle_aux_hidden_state_layer_ids; "
                   f"using the default aux layers {ids} for a {policy_cfg.num_hidden_layers}-layer policy "

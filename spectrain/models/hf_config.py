@@ -19,14 +19,18 @@ _ROPE_REQUIRED = {"default": (), "linear": ("factor",),
                   "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
                   "yarn": ("factor", "original_max_position_embeddings")}
 _ROPE_OPTIONAL = {"yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")}
+# the model's size: transformers fills an absent one with its class default (an 8B-sized model), never the checkpoint's
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 def read_raw_config(model_dir: str | Path) -> dict:
     """`config.json` as written, after checking the directory looks like a checkpoint."""
     path = Path(model_dir)
     if not (path / "config.json").is_file():
-        raise ConfigError(f"policy.path: {path} is not a Hugging Face model directory (needs config.json and "
-                          "*.safetensors); point policy.path at a local checkpoint, or null for the toy policy")
+        what = "holds no config.json" if path.is_dir() else "is not a directory"
+        raise ConfigError(f"policy.path: {path} {what}; point policy.path at a local Hugging Face checkpoint "
+                          "(config.json and *.safetensors; `spectrain plan` reads only its config.json), or null for "
+                          "the toy policy")
     try:
         return json.loads((path / "config.json").read_text())
     except json.JSONDecodeError as exc:
@@ -38,6 +42,10 @@ def load_config(model_dir: str | Path) -> LlamaConfig:
     path = Path(model_dir)
     raw = read_raw_config(path)
     model_type = _check_architecture(path, raw)
+    missing = [key for key in _REQUIRED if raw.get(key) is None]
+    if missing:
+        raise ConfigError(f"policy.path: {path}/config.json lacks {', '.join(missing)}; use the config.json the "
+                          "checkpoint was released with, which sets the model's size")
     from transformers import AutoConfig  # heavy import, only for pretrained policies
 
     hf = AutoConfig.from_pretrained(str(path), local_files_only=True)

@@ -13,6 +13,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -27,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from spectrain.config.schema import ParallelConfig
-from spectrain.errors import SpecTrainError
+from spectrain.errors import ConfigError, SpecTrainError
 from spectrain.parallel.lightning_compat import check_private_hooks, optimizers_to_device, sync_ddp_if_available
 from spectrain.parallel.mesh import build_mesh, check_mesh_shape, world_size
 
@@ -36,6 +38,23 @@ STRATEGY_NAME = "spec_parallel"
 
 class NotLaunchedError(SpecTrainError):
     """The strategy runs in a process torchrun did not start (it needs one process per mesh rank)."""
+
+
+# what torchrun (and Lightning's own launchers) read to join ranks across machines; `relaunch_under_torchrun`
+# starts a one-machine (`--standalone`) job that ignores them
+LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "GROUP_RANK", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
+def check_standalone_launch(nproc: int) -> None:
+    """Refuse to launch `nproc` processes on this machine alone while the environment describes another launch
+    (MASTER_ADDR, NODE_RANK, ...: a multi-node run started by hand) that the relaunch would silently ignore."""
+    given = [f"{name}={os.environ[name]}" for name in LAUNCH_VARIABLES if name in os.environ]
+    if given:
+        raise ConfigError(
+            f"{', '.join(given)} set, but `spectrain fit` with {nproc} processes starts them on this machine alone "
+            f"(torchrun --standalone) and would ignore them: unset them for a one-machine run, or start every "
+            f"node's ranks yourself: `torchrun --nnodes=N --node-rank=R --master-addr=HOST --master-port=PORT "
+            f"--nproc-per-node=P -m spectrain.cli fit ...` on each node, or `srun spectrain fit ...`")
 
 
 def relaunch_under_torchrun(nproc: int, cli_args: list[str]) -> int:
@@ -65,6 +84,42 @@ def relaunch_under_torchrun(nproc: int, cli_args: list[str]) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 128 + received[0] if received else code
+
+
+def join_process_group(backend: str, timeout: timedelta, note_after_s: float = 60.0) -> None:
+    """`init_process_group` over `env://` (RANK, WORLD_SIZE, MASTER_ADDR/PORT), waited for here, not inside torch.
+
+    torch's rendezvous blocks in C++, where no signal handler runs: a rank whose peers were never started would
+    ignore SIGTERM until `timeout`. Here it joins from a helper thread while this (main) thread waits, so a signal
+    stops the wait at once (`InterruptOnSignal`); after `note_after_s` a note says what the rank waits for, and
+    after `timeout` a rank whose peers never came stops with one line naming the launch to fix.
+    """
+    failure: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            dist.init_process_group(backend, timeout=timeout)
+        except BaseException as exc:  # raised again in the main thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=join, name="spectrain-rendezvous", daemon=True)
+    thread.start()
+    rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    started, noted = time.monotonic(), False
+    while thread.is_alive():
+        thread.join(0.2)  # short waits: signal handlers run between them
+        if not noted and time.monotonic() - started > note_after_s:
+            noted = True
+            print(f"[spectrain] rank {rank} is waiting for the other ranks of {world} at {where} (it gives up after "
+                  f"{timeout.total_seconds():.0f} s)", file=sys.stderr, flush=True)
+    if failure:
+        reason = (str(failure[0]).splitlines() or [type(failure[0]).__name__])[0]
+        raise NotLaunchedError(
+            f"rank {rank} of {world} could not join the process group at {where} ({reason}): every rank must be "
+            f"started and reach it; `spectrain fit` starts them itself on one machine, otherwise start torchrun on "
+            f"every node (the same --nnodes, --master-addr and --master-port) or `srun spectrain fit ...`"
+        ) from failure[0]
 
 
 class SpecParallelStrategy(ParallelStrategy):
@@ -109,7 +164,7 @@ class SpecParallelStrategy(ParallelStrategy):
             check_mesh_shape(p.pp, p.dp, p.cp, world_size())  # before init: its error beats a rendezvous failure
             backend = self._process_group_backend or ("cpu:gloo,cuda:nccl" if self._device_type() == "cuda"
                                                       else "gloo")
-            dist.init_process_group(backend, timeout=self._timeout)  # env://: RANK, WORLD_SIZE, MASTER_ADDR/PORT
+            join_process_group(backend, self._timeout)
         if self._mesh is None:
             self._mesh = build_mesh(p.pp, p.dp, p.cp, self._device_type())
             self._plan = self.build_plan()

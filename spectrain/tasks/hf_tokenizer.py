@@ -17,8 +17,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from spectrain.tasks.tokenizer import Prompt
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-_JSON_FILES = (*_TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json")  # what AutoTokenizer parses
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # a tokenizer directory holds one of them
+_JSON_FILES = (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json")  # what AutoTokenizer parses
 
 
 class TokenizerLoadError(ValueError):
@@ -112,9 +112,9 @@ def _load(path: str | Path):
     from transformers import AutoTokenizer
 
     directory = Path(path)
-    if not any((directory / name).is_file() for name in _TOKENIZER_FILES):
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
         raise TokenizerLoadError(f"{path} is not a Hugging Face tokenizer directory: it needs "
-                                 f"{' or '.join(_TOKENIZER_FILES)}")
+                                 f"{' or '.join(TOKENIZER_FILES)}")
     try:
         return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except Exception as exc:  # transformers and tokenizers raise anything from OSError to a bare Exception

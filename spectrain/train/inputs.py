@@ -211,17 +211,18 @@ def check_context(config: SpecTrainConfig, pretrained: LlamaConfig) -> None:
 
 
 def check_draft_path(config: SpecTrainConfig, pretrained: LlamaConfig | None) -> None:
-    """`draft.path`'s config read and, for a pretrained policy, checked against it; its weights scanned for NaN/inf
-    (they load in the warm start)."""
+    """`draft.path`'s config read and checked against the policy (the pretrained one, or the toy `policy.*` builds);
+    its weights scanned for NaN/inf (they load in the warm start)."""
     d = config.draft
     if d.mode == "none" or d.init != "path":
         return
     from spectrain.models.eagle3 import check_draft_weights, read_draft_config
+    from spectrain.train.memory_plan import policy_architecture
 
     with warnings.catch_warnings():  # a missing eagle_config is reported once, when the draft loads
         warnings.simplefilter("ignore")
         try:
-            read_draft_config(d.path, pretrained)
+            read_draft_config(d.path, pretrained if pretrained is not None else policy_architecture(config))
             check_draft_weights(d.path)
         except OSError as exc:
             raise ConfigError(f"draft.path: cannot read {d.path} ({exc}); give an EAGLE-3 directory in vLLM's or "

@@ -7,10 +7,13 @@ import json
 import os
 import uuid
 from pathlib import Path
+from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 from spectrain.config.schema import SpecTrainConfig
 from spectrain.config.validation import logger_names
 from spectrain.errors import ConfigError
+from spectrain.train.run_dir import check_writable
 
 # the module each logger imports, and what to install for it
 _PACKAGES = {"tensorboard": (("tensorboard", "tensorboardX"), "pip install tensorboard (in spectrain's dev extra)"),
@@ -28,7 +31,26 @@ def check_loggers(config: SpecTrainConfig) -> list[str]:
             others = [n for n in names if n != name] or ["csv"]
             raise ConfigError(f"trainer.logger: {name} needs the {modules[0]} package; {install}, or set "
                               f"trainer.logger=[{','.join(others)}]")
+    if "mlflow" in names:
+        check_mlflow_store()
     return names
+
+
+def check_mlflow_store() -> None:
+    """A local MLflow store that MLFLOW_TRACKING_URI names (a path, a file: or sqlite: URI) must be creatable and
+    writable, or the run would fail at its first log, after the warm start; a server is MLflow's to reach. Unset,
+    the store is `<run_dir>/mlruns`, checked with the run directory."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        return
+    scheme = urlparse(uri).scheme
+    if scheme in ("", "file"):
+        store = Path(url2pathname(urlparse(uri).path) if scheme else uri)
+    elif scheme == "sqlite":  # sqlite:///relative.db, sqlite:////absolute.db: its folder holds the journal too
+        store = Path(uri.removeprefix("sqlite:///")).parent
+    else:
+        return
+    check_writable(store.expanduser(), "MLFLOW_TRACKING_URI")
 
 
 def count_steps_from_one(trainer) -> None:

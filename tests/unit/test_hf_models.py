@@ -176,8 +176,8 @@ def test_sliding_window_qwen2_is_refused(tmp_path):
 
 
 def test_missing_directory_and_missing_weights(llama_dir, tmp_path):
-    with pytest.raises(ConfigError, match="policy.path: .*nope is not a Hugging Face model directory "
-                                          "\\(needs config.json and \\*.safetensors"):
+    with pytest.raises(ConfigError, match="policy.path: .*nope is not a directory; point policy.path at a local "
+                                          "Hugging Face checkpoint \\(config.json and \\*.safetensors"):
         load_pretrained(tmp_path / "nope")
     (llama_dir / "model.safetensors").rename(llama_dir / "pytorch_model.bin")
     with pytest.raises(ConfigError, match="no \\*.safetensors; convert them to safetensors"):

@@ -290,6 +290,35 @@ def test_plan_needs_no_weights_and_no_prompt_files(tmp_path, capsys):
     assert code == 2 and "policy.path" in out and "config.json" in out, out
 
 
+def test_plan_asks_only_for_config_json(tmp_path, capsys):
+    code, out = run_plan(capsys, "qwen3_gsm8k", f"policy.path={config_only(tmp_path, 'Qwen3-8B')}")
+    assert code == 0, out
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, out = run_plan(capsys, "qwen3_gsm8k", f"policy.path={empty}")
+    assert code == 2 and out.splitlines() == [
+        f"error: policy.path: {empty} holds no config.json; point policy.path at a local Hugging Face checkpoint "
+        "(config.json and *.safetensors; `spectrain plan` reads only its config.json), or null for the toy policy"], out
+
+
+def test_a_config_json_without_the_model_size_is_refused(tmp_path, capsys):
+    """transformers would fill the absent sizes with its defaults: an 8B-sized model nobody asked for."""
+    sized = {k: v for k, v in TINY_HF.items() if k not in ("hidden_size", "num_hidden_layers")}
+    (tmp_path / "config.json").write_text(json.dumps(sized))
+    code, out = run_plan(capsys, "tiny_cpu", f"policy.path={tmp_path}")
+    assert code == 2 and out.splitlines() == [
+        f"error: policy.path: {tmp_path}/config.json lacks hidden_size, num_hidden_layers; use the config.json the "
+        "checkpoint was released with, which sets the model's size"], out
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0"])
+def test_gpu_memory_must_be_a_positive_finite_number(value, capsys):
+    code, out = run_plan(capsys, "tiny_cpu", "--gpu-memory", value)
+    assert code == 2 and out.splitlines() == [
+        f"error: --gpu-memory: is {float(value)}; give one GPU's memory in GiB, a finite number above 0, "
+        "e.g. --gpu-memory 80"], out
+
+
 def test_tiny_cpu_plans_without_a_checkpoint(capsys):
     code, out = run_plan(capsys, "tiny_cpu")
     assert code == 0, out

@@ -104,6 +104,12 @@ def _prepare_environment(kv_cache_gib: float) -> int:
     return kv_cache_bytes(kv_cache_gib)
 
 
+def check_sleep_mode(enable_sleep_mode: bool | None, on_cuda: bool) -> None:
+    if enable_sleep_mode and not on_cuda:
+        raise ConfigError("rollout.enable_sleep_mode: is true, but vLLM's sleep mode needs CUDA and this engine "
+                          "runs on CPU; set rollout.enable_sleep_mode=false or leave it unset (on with CUDA only)")
+
+
 def _on_cuda() -> bool:
     from vllm.platforms import current_platform
 
@@ -151,9 +157,7 @@ class VLLMRolloutEngine:
         kv_bytes = _prepare_environment(kv_cache_gib)
         on_cuda = _on_cuda()
         self.prefix_caching = on_cuda if enable_prefix_caching is None else enable_prefix_caching
-        if enable_sleep_mode and not on_cuda:
-            raise ConfigError("rollout.enable_sleep_mode: is true, but vLLM's sleep mode needs CUDA and this engine "
-                              "runs on CPU; set rollout.enable_sleep_mode=false or leave it unset (on with CUDA only)")
+        check_sleep_mode(enable_sleep_mode, on_cuda)
         self.sleep_mode = on_cuda if enable_sleep_mode is None else enable_sleep_mode
         self.asleep = False
         self.policy_dir, self.draft_dir = Path(policy_dir), (Path(draft_dir) if draft_dir else None)
