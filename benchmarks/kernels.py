@@ -9,7 +9,7 @@ Two measurements, each forward + backward on the same random inputs:
 Headline ratios are taken side by side in one run: Triton time over torch time for the attention, fused peak
 memory over unfused peak memory for the loss. Peak memory is CUDA's allocator peak above the inputs (not
 measured on CPU). Writes `kernels.json|md|png` under `out` (default `runs/bench_kernels`; `out=docs/benchmarks/gpu`
-regenerates the committed GPU results).
+writes where `scripts/gpu_check.sh` puts GPU results; none are committed yet).
 
 The "torch" attention path is what `policy.attention_backend=torch` runs: the blockwise torch trunk and the
 closed-form branch (on CUDA their log-sum-exp merge is the Triton merge kernel, as in a run).

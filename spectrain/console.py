@@ -70,6 +70,6 @@ def interactive() -> bool:
 
 
 def step_line(step: int, max_steps: int, metrics: dict) -> str:
-    """`step 3/60  reward 0.017  accept len 1.28  s/step 1.46`: the bar's numbers as one line of text."""
+    """`step 3/60  reward 0.586  accept len 3.47  s/step 1.32`: the bar's numbers as one line of text."""
     shown = [f"{label} {float(metrics[key]):.3g}" for key, label in PROGRESS_KEYS if key in metrics]
     return "  ".join([f"step {step}/{max_steps}", *shown])

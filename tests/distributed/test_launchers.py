@@ -5,8 +5,10 @@ same training, the srun one killed (SIGKILL on both ranks) in its second step an
 matches between them, bit for bit.
 """
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -95,3 +97,71 @@ def test_uneven_srun_tasks_are_refused(monkeypatch):
         monkeypatch.setenv(key, value)
     with pytest.raises(ConfigError, match="not a multiple of --ntasks-per-node=2"):
         adopt_slurm_environment()
+
+
+def test_tasks_that_srun_did_not_start_are_refused_in_one_line(monkeypatch):
+    """A batch script (or an salloc shell) of a job of 2 tasks runs outside any job step: its rank would wait for a
+    rank nobody starts. `srun -E` keeps the allocation's task count for a smaller step: the same wait."""
+    for key in ADOPTED:
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    batch = {k: v for k, v in SLURM_JOB.items() if not k.startswith("SLURM_STEP_")}
+    for key, value in {**batch, "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError, match=r"^SLURM_NTASKS=2: the job has 2 tasks, one per rank, but this process runs "
+                                          r"in the batch script, outside any job step .* start the ranks with `srun "
+                                          r"spectrain fit \.\.\.` in the batch script$"):
+        adopt_slurm_environment()
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "1")
+    with pytest.raises(ConfigError, match=r"^SLURM_NTASKS=2 but srun started SLURM_STEP_NUM_TASKS=1 tasks"):
+        adopt_slurm_environment()
+    assert not any(key in os.environ for key in ADOPTED)  # refused before anything was adopted
+    monkeypatch.delenv("SLURM_STEP_NUM_TASKS")
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "1")
+    assert adopt_slurm_environment() and os.environ["WORLD_SIZE"] == "1"  # a one-task batch job needs no srun
+
+
+def test_a_rank_whose_peers_never_start_stops_after_the_timeout_with_the_fix(monkeypatch):
+    from datetime import timedelta
+
+    from spectrain.config import load_config
+    from spectrain.parallel.strategy import NotLaunchedError, SpecParallelStrategy
+
+    port = free_port()
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(key, value)
+    strategy = SpecParallelStrategy(load_config(overrides=["parallel.dp=2"]).parallel, timeout=timedelta(seconds=2))
+    with pytest.raises(NotLaunchedError, match=rf"^rank 0 of 2 could not join the process group at 127\.0\.0\.1:"
+                                               rf"{port} \(Timed out after \d+ seconds waiting for clients\. 1/2 "
+                                               r"clients joined\.\): every rank must be started .* `srun spectrain "
+                                               r"fit \.\.\.`$"):
+        strategy.setup_distributed()
+
+
+@pytest.mark.slow
+def test_a_signal_stops_a_rank_that_waits_for_its_peers(tmp_path):
+    """The rendezvous waits in C++, where no signal handler runs: SIGTERM must still stop it at once, in one line."""
+    import psutil
+
+    port = free_port()
+    env = _clean_env(TORCHELASTIC_RUN_ID="test", RANK="0", LOCAL_RANK="0", GROUP_RANK="0", WORLD_SIZE="2",
+                     LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # rank 1 never starts
+    process = subprocess.Popen([sys.executable, "-m", "spectrain.cli", "fit", "tiny_cpu", "parallel.dp=2",
+                                f"trainer.run_dir={tmp_path / 'run'}"], env=env, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300
+        while not any(c.laddr.port == port and c.status == psutil.CONN_LISTEN
+                      for c in psutil.Process(process.pid).net_connections(kind="tcp")):  # rank 0's store: waiting
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+            time.sleep(0.2)
+        time.sleep(1)
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    assert process.returncode == 143, err
+    assert err.rstrip().splitlines()[-1] == ("error: stopped by SIGTERM during the start-up checks: nothing was "
+                                             "written. Run the same command again to continue."), err
+    assert not (tmp_path / "run").exists()

@@ -2,6 +2,8 @@
 an export: the newest step checkpoints and exports stay, a resume goes on counting, `spectrain eval` scores them,
 and an export serves rollouts with its draft."""
 import json
+import os
+import signal
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from spectrain.cli import main as cli_main
 from spectrain.rollout.engine import SamplingConfig
 from spectrain.rollout.vllm.engine import VLLMRolloutEngine
 from spectrain.tasks.tokenizer import CharTokenizer
+from spectrain.train.trainer import SpecTrainer
 from tests.helpers import TINY, metrics
 
 pytestmark = pytest.mark.slow
@@ -83,3 +86,33 @@ def test_save_top_k_keeps_the_best_held_out_checkpoints_across_a_resume(tmp_path
             ckpt = torch.load(run / "checkpoints" / "best" / f"step_{s:06d}-greedy_reward={scores[s]:.4f}.ckpt",
                               weights_only=False)
             assert ckpt["global_step"] == s
+
+
+def test_a_signal_during_the_final_export_leaves_no_half_final_and_the_same_command_writes_it(tmp_path, monkeypatch,
+                                                                                              capsys):
+    """Ctrl-C while final/ is written (the policy done, the draft not yet): no final/ at all, `spectrain eval` says
+    the export was interrupted and what to run, and the same command (a resume at the last step) writes final/."""
+    run = tmp_path / "run"
+    argv = ["fit", "tiny_cpu", f"trainer.run_dir={run}", *TINY, "trainer.max_steps=1", "trainer.eval_every_n_steps=0",
+            "trainer.log_samples_every_n_steps=0"]
+    export_draft = SpecTrainer.export_draft
+
+    def interrupted(policy, draft, out_dir):
+        if out_dir.name.startswith("final"):
+            os.kill(os.getpid(), signal.SIGINT)  # lands here, in the final export
+        return export_draft(policy, draft, out_dir)
+
+    monkeypatch.setattr(SpecTrainer, "export_draft", staticmethod(interrupted))
+    assert cli_main(argv) == 130
+    assert "stopped by SIGINT during the final sync, evaluation and export" in capsys.readouterr().err
+    assert (run / "final.partial" / "policy" / "model.safetensors").is_file() and not (run / "final").exists()
+    assert cli_main(["eval", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the final export of" in err[0] and "was interrupted" in err[0], err
+    assert "run the run's `spectrain fit` command again" in err[0], err
+
+    monkeypatch.undo()
+    assert cli_main(argv) == 0  # resumes checkpoints/last.ckpt at its last step: the final evaluation and export again
+    assert not (run / "final.partial").exists()
+    for part in ("policy/model.safetensors", "policy/tokenizer.json", "draft/config.json", "draft/model.safetensors"):
+        assert (run / "final" / part).is_file(), part

