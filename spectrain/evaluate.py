@@ -44,7 +44,8 @@ def ks_for(samples: int) -> list[int]:
 
 def resolve(target: str | Path) -> tuple[Path, Path]:
     """The `config.yaml` and the export directory (holding `policy/`, maybe `draft/`) that `target` names: a run
-    directory (its `final/`, else its newest `exports/step_NNNNNN/`) or an export directory itself."""
+    directory (its `final/`, else its newest `exports/step_NNNNNN/`; an interrupted final export, `final.partial/`, is
+    named instead of passed over) or an export directory itself."""
     path = Path(target).expanduser()
     if not path.is_dir():
         raise ConfigError(f"eval: {target} is not a directory; give a run directory (holding config.yaml) or an "

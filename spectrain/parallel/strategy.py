@@ -86,12 +86,15 @@ def relaunch_under_torchrun(nproc: int, cli_args: list[str]) -> int:
     return 128 + received[0] if received else code
 
 
-def join_process_group(backend: str, timeout: timedelta, note_after_s: float = 60.0) -> None:
+NOTE_AFTER_S = 60.0  # a rank still waiting for its peers after this long says so
+
+
+def join_process_group(backend: str, timeout: timedelta) -> None:
     """`init_process_group` over `env://` (RANK, WORLD_SIZE, MASTER_ADDR/PORT), waited for here, not inside torch.
 
     torch's rendezvous blocks in C++, where no signal handler runs: a rank whose peers were never started would
     ignore SIGTERM until `timeout`. Here it joins from a helper thread while this (main) thread waits, so a signal
-    stops the wait at once (`InterruptOnSignal`); after `note_after_s` a note says what the rank waits for, and
+    stops the wait at once (`InterruptOnSignal`); after `NOTE_AFTER_S` a note says what the rank waits for, and
     after `timeout` a rank whose peers never came stops with one line naming the launch to fix.
     """
     failure: list[BaseException] = []
@@ -109,9 +112,9 @@ def join_process_group(backend: str, timeout: timedelta, note_after_s: float = 6
     started, noted = time.monotonic(), False
     while thread.is_alive():
         thread.join(0.2)  # short waits: signal handlers run between them
-        if not noted and time.monotonic() - started > note_after_s:
+        if not noted and time.monotonic() - started > NOTE_AFTER_S:
             noted = True
-            print(f"[spectrain] rank {rank} is waiting for the other ranks of {world} at {where} (it gives up after "
+            print(f"[spectrain] rank {rank} of {world} is waiting for the other ranks at {where} (it gives up after "
                   f"{timeout.total_seconds():.0f} s)", file=sys.stderr, flush=True)
     if failure:
         reason = (str(failure[0]).splitlines() or [type(failure[0]).__name__])[0]

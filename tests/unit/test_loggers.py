@@ -207,3 +207,24 @@ def test_wandb_offline_logs_metrics_and_the_sample_table(tmp_path, monkeypatch):
     texts = acc.Tensors("samples/text_summary")
     assert [t.step for t in texts] == [1, 2]
     assert "| 2 | 12+3= | 15 |" in texts[-1].tensor_proto.string_val[0].decode()
+
+
+def test_a_local_mlflow_store_must_be_writable_before_the_run(tmp_path, monkeypatch):
+    """MLFLOW_TRACKING_URI as a path, a file: or a sqlite: URI names a local store, refused in one line where it
+    cannot be written; a server's URI is MLflow's to reach."""
+    from spectrain.errors import RunDirError
+    from spectrain.train.loggers import check_loggers
+
+    (tmp_path / "notes.txt").write_text("mine")
+    mlflow = load_config("tiny_cpu", ["trainer.logger=[csv,mlflow]"])
+    for uri in (f"{tmp_path}/notes.txt/mlruns", f"file://{tmp_path}/notes.txt/mlruns",
+                f"sqlite:///{tmp_path}/notes.txt/mlflow.db"):
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        with pytest.raises(RunDirError, match=rf"^MLFLOW_TRACKING_URI: cannot create {tmp_path}/notes\.txt.*: "
+                                              rf"{tmp_path}/notes\.txt is a file, not a directory"):
+            check_loggers(mlflow)
+        assert check_loggers(load_config("tiny_cpu", [])) == ["csv"]  # no MLflow logger: the store is not its
+    for uri in (f"file://{tmp_path}/mlruns", f"sqlite:///{tmp_path}/mlflow.db", "http://127.0.0.1:5000"):
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        assert check_loggers(mlflow) == ["csv", "mlflow"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]  # checked without writing
