@@ -15,7 +15,7 @@ lint: setup
 	.venv/bin/ruff check .
 
 test: lint
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=30
 
 test-fast: lint
 	$(PY) -m pytest -q -ra -m "not slow"

@@ -111,7 +111,7 @@ def step_config(o: dict, scale: int, micro_batch_tokens: int | None):
     """The recipe this step is a step of (tiny_cpu resized: float32, one process, one update, no KL) and the policy's
     architecture (the toy policy at `vocab`, not the character tokenizer's)."""
     from spectrain.config import load_config
-    from spectrain.train.memory_plan import policy_architecture
+    from spectrain.train.inputs import policy_architecture
 
     doc, heads = o["prompt"] + o["response"], max(1, o["hidden"] // 64)
     config = load_config("tiny_cpu", [

@@ -138,7 +138,8 @@ def _plan_config(args):
 
 def _plan(args) -> int:
     """Exit 0 when the plan fits `--gpu-memory`, 1 when it does not (with the keys to change)."""
-    from spectrain.train.memory_plan import GIB, format_plan, plan_config, policy_architecture, verdict
+    from spectrain.train.inputs import policy_architecture
+    from spectrain.train.memory_plan import GIB, format_plan, plan_config, verdict
 
     if not (math.isfinite(args.gpu_memory) and args.gpu_memory > 0):
         raise ConfigError(f"--gpu-memory: is {args.gpu_memory}; give one GPU's memory in GiB, a finite number "

@@ -210,6 +210,20 @@ def check_context(config: SpecTrainConfig, pretrained: LlamaConfig) -> None:
                           f"max_position_embeddings={pretrained.max_position_embeddings}; lower rollout.max_model_len")
 
 
+def policy_architecture(config: SpecTrainConfig) -> LlamaConfig:
+    """`policy.path`'s config.json (no weights are read), or the toy policy `policy.*` would build."""
+    p = config.policy
+    if p.path is not None:
+        from spectrain.models.hf_config import load_config
+
+        return load_config(p.path)
+    return LlamaConfig(vocab_size=build_tokenizer(config).vocab_size, hidden_size=p.hidden_size,
+                       intermediate_size=p.intermediate_size, num_hidden_layers=p.num_hidden_layers,
+                       num_attention_heads=p.num_attention_heads, num_key_value_heads=p.num_key_value_heads,
+                       qk_norm=p.qk_norm, tie_word_embeddings=p.tie_word_embeddings,
+                       max_position_embeddings=p.max_position_embeddings)
+
+
 def check_draft_path(config: SpecTrainConfig, pretrained: LlamaConfig | None) -> None:
     """`draft.path`'s config read and checked against the policy (the pretrained one, or the toy `policy.*` builds);
     its weights scanned for NaN/inf (they load in the warm start)."""
@@ -217,7 +231,6 @@ def check_draft_path(config: SpecTrainConfig, pretrained: LlamaConfig | None) ->
     if d.mode == "none" or d.init != "path":
         return
     from spectrain.models.eagle3 import check_draft_weights, read_draft_config
-    from spectrain.train.memory_plan import policy_architecture
 
     with warnings.catch_warnings():  # a missing eagle_config is reported once, when the draft loads
         warnings.simplefilter("ignore")

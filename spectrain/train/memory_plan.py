@@ -87,6 +87,7 @@ from spectrain.config.schema import PP_STAGES_PER_RANK, engines_on_every_rank
 from spectrain.errors import ConfigError, InputWarning
 from spectrain.models.eagle3 import Eagle3Config, read_draft_config
 from spectrain.models.llama import LlamaConfig
+from spectrain.train.inputs import policy_architecture
 
 GIB = 1 << 30
 FP32 = 4
@@ -445,22 +446,6 @@ def plan_memory(x: PlanInputs) -> MemoryPlan:
         reference=weights if x.reference else 0, draft=draft_state_bytes(x), activations=activations,
         logits=logits, draft_inputs=draft_inputs, draft_update=draft_update, engine=x.engine,
         reserved=RESERVED_BYTES, activations_full=full, activations_checkpointed=checkpointed, inputs=x)
-
-
-def policy_architecture(config: SpecTrainConfig) -> LlamaConfig:
-    """`policy.path`'s config.json (no weights are read), or the toy policy `policy.*` would build."""
-    p = config.policy
-    if p.path is not None:
-        from spectrain.models.hf_config import load_config
-
-        return load_config(p.path)
-    from spectrain.train.inputs import build_tokenizer
-
-    return LlamaConfig(vocab_size=build_tokenizer(config).vocab_size, hidden_size=p.hidden_size,
-                       intermediate_size=p.intermediate_size, num_hidden_layers=p.num_hidden_layers,
-                       num_attention_heads=p.num_attention_heads, num_key_value_heads=p.num_key_value_heads,
-                       qk_norm=p.qk_norm, tie_word_embeddings=p.tie_word_embeddings,
-                       max_position_embeddings=p.max_position_embeddings)
 
 
 def draft_architecture(config: SpecTrainConfig, policy: LlamaConfig) -> Eagle3Config | None:

@@ -16,6 +16,7 @@ from spectrain.models.eagle3 import Eagle3Config, Eagle3Draft, ttt_loss
 from spectrain.models.llama import DecoderLayer, LlamaConfig, LlamaForCausalLM, rope_cos_sin
 from spectrain.ops.attention import LocalAttentionOps
 from spectrain.train import memory_plan as mp
+from spectrain.train.inputs import policy_architecture
 
 GIB = 1 << 30
 CONFIGS = Path(__file__).parents[1] / "fixtures" / "hf_configs"  # real config.json files, no weights
@@ -115,7 +116,7 @@ def test_unsharded_bf16_plan_replicates_the_state_and_caches_bf16_weights(tmp_pa
 
 def test_a_logits_chunk_smaller_than_the_layers_backward_adds_only_the_lm_head_gradient(tmp_path):
     """The chunk's backward runs before any layer's: the peak is the larger of the two, not their sum."""
-    cfg = mp.policy_architecture(load_config("tiny_cpu", []))
+    cfg = policy_architecture(load_config("tiny_cpu", []))
     assert mp.logits_bytes(cfg, 100, layers_backward=10**9) == 4 * cfg.vocab_size * cfg.hidden_size
     assert mp.logits_bytes(cfg, 100, layers_backward=0) == (100 * cfg.vocab_size * 8
                                                             + 4 * cfg.vocab_size * cfg.hidden_size)
