@@ -6,7 +6,8 @@ engine, tests side by side). `LD_PRELOAD` is read only when a process starts, so
 itself once with it set, before torch loads; the ranks and engines it starts inherit it. Numerics do not change
 (tests/e2e/test_console_output.py compares every logged value of a short run bit for bit).
 
-On a machine that is already busy when the command starts (its 1-minute load average is at least half its cores),
+On a machine that is already busy when the command starts (other processes keep at least half its cores busy, over
+a quarter of a second in /proc/stat, or by the 1-minute load average),
 Intel OpenMP's threads are also told not to spin after each parallel region (`KMP_BLOCKTIME=0`; its default spins
 200 ms): spinning threads take the shared cores from the work. Measured on 2 cores beside another 2-thread process:
 a tiny_cpu_long SFT step took 4.1-4.7 s with the default and 1.0-1.4 s with 0, and vLLM's generation was faster and
@@ -19,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import time
 from pathlib import Path
 
 DISABLE_ENV = "SPECTRAIN_CPU_PRELOAD"  # 0: leave LD_PRELOAD as it is
@@ -50,7 +52,20 @@ def busy_machine_environment(environ: dict[str, str], load: float, cores: int) -
     """`KMP_BLOCKTIME=0` (and what was seen) when the machine is busy and the user chose no block time; else nothing."""
     if BLOCKTIME_ENV in environ or environ.get(DISABLE_ENV, "1") == "0" or load < cores / 2:
         return {}
-    return {BLOCKTIME_ENV: "0", BUSY_ENV: f"load {load:.1f} on {cores} cores"}
+    return {BLOCKTIME_ENV: "0", BUSY_ENV: f"{load:.1f} of {cores} cores busy"}
+
+
+def busy_cores(interval_s: float = 0.25) -> float:
+    """How many cores other processes keep busy: the larger of the CPU time /proc/stat counts over `interval_s`
+    (this process sleeps meanwhile) and the 1-minute load average, which lags a job that has just started."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+        return sum(ticks), ticks[3] + ticks[4]  # all, idle + iowait
+
+    (total0, idle0), _, (total1, idle1) = sample(), time.sleep(interval_s), sample()
+    now = (1 - (idle1 - idle0) / max(1, total1 - total0)) * (os.cpu_count() or 1)
+    return max(now, os.getloadavg()[0])
 
 
 def preload_and_restart(argv: list[str]) -> None:
@@ -59,7 +74,8 @@ def preload_and_restart(argv: list[str]) -> None:
     machine first (before any OpenMP runtime starts in this process, which reads it then)."""
     if sys.platform != "linux" or importlib.util.find_spec("vllm") is None or not _vllm_is_cpu_build():
         return
-    os.environ.update(busy_machine_environment(dict(os.environ), os.getloadavg()[0], os.cpu_count() or 1))
+    if BLOCKTIME_ENV not in os.environ:  # the restarted process keeps what the first one chose
+        os.environ.update(busy_machine_environment(dict(os.environ), busy_cores(), os.cpu_count() or 1))
     missing = missing_preloads(dict(os.environ), runtime_libraries())
     if not missing:
         return

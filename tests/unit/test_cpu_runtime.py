@@ -2,6 +2,7 @@
 import os
 import runpy
 import sys
+import time
 
 import pytest
 
@@ -38,7 +39,7 @@ def test_the_restart_keeps_the_arguments_and_the_users_preloads(prefix, monkeypa
     monkeypatch.setenv("LD_PRELOAD", "/x/libfoo.so")
     monkeypatch.delenv("SPECTRAIN_CPU_PRELOAD", raising=False)
     monkeypatch.delenv("SPECTRAIN_CPU_PRELOADED", raising=False)
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # an idle machine
+    monkeypatch.setattr(cpu_runtime, "busy_cores", lambda: 0.0)  # an idle machine
     cpu_runtime.preload_and_restart(["fit", "tiny_cpu", "trainer.max_steps=2"])
     [(exe, argv, env)] = restarted
     assert exe == sys.executable and argv == [sys.executable, "-m", "spectrain", "fit", "tiny_cpu",
@@ -53,12 +54,12 @@ def test_the_restart_keeps_the_arguments_and_the_users_preloads(prefix, monkeypa
     monkeypatch.delenv("KMP_BLOCKTIME", raising=False)
     monkeypatch.delenv("SPECTRAIN_CPU_BUSY", raising=False)
     load = float(os.cpu_count())  # busy: its threads are told not to spin
-    monkeypatch.setattr(os, "getloadavg", lambda: (load, 0.0, 0.0))
+    monkeypatch.setattr(cpu_runtime, "busy_cores", lambda: load)
     cpu_runtime.preload_and_restart(["fit"])
     busy = restarted[-1][2]
-    assert busy["KMP_BLOCKTIME"] == "0" and busy["SPECTRAIN_CPU_BUSY"] == f"load {load:.1f} on {os.cpu_count()} cores"
+    assert busy["KMP_BLOCKTIME"] == "0" and busy["SPECTRAIN_CPU_BUSY"] == f"{load:.1f} of {os.cpu_count()} cores busy"
     monkeypatch.setenv("SPECTRAIN_CPU_PRELOADED", busy["SPECTRAIN_CPU_PRELOADED"])
-    assert f"preloaded and KMP_BLOCKTIME=0 for a busy machine (load {load:.1f} on" in cpu_runtime.preloaded_note()
+    assert f"preloaded and KMP_BLOCKTIME=0 for a busy machine ({load:.1f} of" in cpu_runtime.preloaded_note()
 
 
 @pytest.mark.filterwarnings("ignore:'spectrain.cli' found in sys.modules")  # runpy, on a module imported before
@@ -77,7 +78,7 @@ def test_python_m_spectrain_cli_restarts_as_the_spectrain_command_does(prefix, m
     monkeypatch.setattr(cpu_runtime, "runtime_libraries", lambda: [prefix / "lib" / "libiomp5.so"])
     monkeypatch.setattr(cpu_runtime, "_vllm_is_cpu_build", lambda: True)
     monkeypatch.setattr(os, "execve", execve)
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    monkeypatch.setattr(cpu_runtime, "busy_cores", lambda: 0.0)
     monkeypatch.delenv("SPECTRAIN_CPU_PRELOAD", raising=False)
     monkeypatch.delenv("SPECTRAIN_CPU_PRELOADED", raising=False)
     monkeypatch.setattr(sys, "argv", ["/repo/spectrain/cli.py", "recipes"])
@@ -92,7 +93,20 @@ def test_a_busy_machine_gets_threads_that_do_not_spin():
     """KMP_BLOCKTIME=0 where the load is at least half the cores; never over the user's own, nor without the
     preload."""
     assert cpu_runtime.busy_machine_environment({}, load=2.1, cores=2) == {"KMP_BLOCKTIME": "0",
-                                                                          "SPECTRAIN_CPU_BUSY": "load 2.1 on 2 cores"}
+                                                                          "SPECTRAIN_CPU_BUSY": "2.1 of 2 cores busy"}
     assert cpu_runtime.busy_machine_environment({}, load=0.4, cores=2) == {}
     assert cpu_runtime.busy_machine_environment({"KMP_BLOCKTIME": "200"}, load=4.0, cores=2) == {}
     assert cpu_runtime.busy_machine_environment({"SPECTRAIN_CPU_PRELOAD": "0"}, load=4.0, cores=2) == {}
+
+
+def test_busy_cores_sees_a_process_that_has_just_started():
+    """The load average lags a job started a second ago; the CPU time /proc/stat counts meanwhile does not."""
+    import subprocess
+
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        assert cpu_runtime.busy_cores() >= 0.5
+    finally:
+        spinner.kill()
+        spinner.wait()
