@@ -52,7 +52,7 @@ def busy_machine_environment(environ: dict[str, str], load: float, cores: int) -
     """`KMP_BLOCKTIME=0` (and what was seen) when the machine is busy and the user chose no block time; else nothing."""
     if BLOCKTIME_ENV in environ or environ.get(DISABLE_ENV, "1") == "0" or load < cores / 2:
         return {}
-    return {BLOCKTIME_ENV: "0", BUSY_ENV: f"{load:.1f} of {cores} cores busy"}
+    return {BLOCKTIME_ENV: "0", BUSY_ENV: f"other work keeps {min(load, cores):.1f} of {cores} cores busy"}
 
 
 def busy_cores(interval_s: float = 0.25) -> float:
