@@ -74,7 +74,7 @@ def preload_and_restart(argv: list[str]) -> None:
     machine first (before any OpenMP runtime starts in this process, which reads it then)."""
     if sys.platform != "linux" or importlib.util.find_spec("vllm") is None or not _vllm_is_cpu_build():
         return
-    if BLOCKTIME_ENV not in os.environ:  # the restarted process keeps what the first one chose
+    if PRELOADED_ENV not in os.environ:  # the restarted process keeps what the first one chose (no second probe)
         os.environ.update(busy_machine_environment(dict(os.environ), busy_cores(), os.cpu_count() or 1))
     missing = missing_preloads(dict(os.environ), runtime_libraries())
     if not missing:
