@@ -3,7 +3,7 @@ PY := .venv/bin/python
 RECIPE ?= tiny_cpu
 ARGS ?=
 
-.PHONY: setup demo test test-fast lint
+.PHONY: setup demo test test-fast lint typecheck
 
 setup:
 	@bash scripts/setup_venv.sh
@@ -14,8 +14,11 @@ demo: setup
 lint: setup
 	.venv/bin/ruff check .
 
-test: lint
+typecheck: setup
+	@bash scripts/typecheck.sh
+
+test: lint typecheck
 	$(PY) -m pytest -q -ra --durations=30
 
-test-fast: lint
+test-fast: lint typecheck
 	$(PY) -m pytest -q -ra -m "not slow"

@@ -252,17 +252,6 @@ class LongTailedGRPOModule(GRPOModule):
         return [dataclasses.replace(base, max_tokens=m) for m in self.max_tokens]
 
 
-class TimedWeightSync(WeightSync):
-    """`WeightSync` that keeps the seconds of its last end-of-step sync (checks included)."""
-
-    seconds = 0.0
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        started = time.perf_counter()
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        self.seconds = time.perf_counter() - started
-
-
 class StepRecorder(Callback):
     """Seconds of each GRPO step and its parts; listed after the callbacks it times.
 
@@ -270,8 +259,7 @@ class StepRecorder(Callback):
     the draft update.
     """
 
-    def __init__(self, sync: TimedWeightSync) -> None:
-        self.sync = sync
+    def __init__(self) -> None:
         self.records: list[dict] = []
         self.started = 0.0
 
@@ -280,9 +268,10 @@ class StepRecorder(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step_s, stats = time.perf_counter() - self.started, outputs["step"].rollout
+        sync_s = outputs["step"].seconds["weight_sync"]
         spot = pl_module.stepwise.metrics
-        self.records.append({"step_s": step_s, "rollout_s": stats.seconds, "sync_s": self.sync.seconds,
-                             "train_s": step_s - stats.seconds - self.sync.seconds,
+        self.records.append({"step_s": step_s, "rollout_s": stats.seconds, "sync_s": sync_s,
+                             "train_s": step_s - stats.seconds - sync_s,
                              "spot_updates": spot.get("spot/draft_updates", 0.0),
                              "spot_s": spot.get("spot/seconds", 0.0),
                              "acceptance_length": stats.spec.mean_acceptance_length})
@@ -295,9 +284,9 @@ def e2e_config(opts: BenchOptions, budget: int, long_tail: bool, work: Path):
     """The recipe of the end-to-end runs: one policy update and one draft update per step, concurrency rule."""
     return load_config(None, [
         f"trainer.seed={opts.seed}", f"trainer.run_dir={work}", f"trainer.max_steps={opts.e2e_steps}",
-        f"rollout.group_size={opts.e2e_group}", f"rollout.temperature={opts.e2e_temperature}",
-        f"rollout.max_new_tokens={opts.max_tokens}",
-        "grpo.lr=1e-4", "grpo.minibatches=1", "grpo.epochs=1", "grpo.kl_beta=0.0", "grpo.grad_clip=1.0",
+        f"rollout.n={opts.e2e_group}", f"rollout.temperature={opts.e2e_temperature}",
+        f"rollout.response_length={opts.max_tokens}",
+        "grpo.lr=1e-4", "grpo.minibatches=1", "grpo.ppo_epochs=1", "grpo.kl_loss_coef=0.0", "grpo.grad_clip=1.0",
         "draft.mode=cotrained", "draft.lr=1e-3", f"draft.ttt_passes={opts.ttt_passes}", "draft.pass_decay=0.8",
         "draft.grad_clip=1.0", f"draft.num_speculative_tokens={opts.k_max}",
         "speculation.mode=concurrency", f"speculation.verify_budget={budget}",
@@ -315,12 +304,12 @@ def run_grpo(opts: BenchOptions, engine, policy_dir: Path, draft_dir: Path, budg
     policy = load_pretrained(policy_dir)
     module = LongTailedGRPOModule(config, policy, load_draft(draft_dir), TokenIds(policy.cfg.eos_token_id),
                                   per_sample(even_token_share), max_tokens=lengths, engine=engine)
-    sync = TimedWeightSync(check_alive=False)  # no drafter probes: the toy draft's acceptance may well swing
-    recorder = StepRecorder(sync)
+    sync = WeightSync(check_alive=False)  # no drafter probes: the toy draft's acceptance may well swing
+    recorder = StepRecorder()
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=opts.e2e_steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=str(work),
-                        callbacks=[DraftCoTraining.from_config(config.draft), sync, recorder])
+                        callbacks=[DraftCoTraining(), sync, recorder])
     trainer.fit(module, train_dataloaders=SamePrompts(prompts, opts.e2e_steps))
     return recorder.records
 

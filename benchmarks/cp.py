@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from benchmarks.common import int_list, parse_options
 from spectrain.errors import ConfigError
 from spectrain.machine import machine_label
-from spectrain.parallel.cp.ring import ZigzagRingAttentionOps, _acc_dtype, _add_rows, _Step
+from spectrain.parallel.cp.ring import ZigzagRingAttentionOps, _acc_dtype, _add_rows, _Hop
 from spectrain.parallel.spawn import run_distributed
 from spectrain.plots import plot_panels
 
@@ -70,19 +70,19 @@ class AllGatherKVOps(ZigzagRingAttentionOps):
 
     def _held_kv(self, kv):
         parts = self._gather(kv)
-        for step in range(self.world):
-            yield step, parts[(self.rank - step) % self.world]
+        for hop in range(self.world):
+            yield hop, parts[(self.rank - hop) % self.world]
 
     def backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale=None):
         h = self._halves(q, k, v, cu_seqlens_q, cu_seqlens_k, causal)
         acc = _acc_dtype(q)
         dq = torch.zeros(q.shape, dtype=acc)
         dkvs = torch.zeros((self.world, 2, *k.shape), dtype=acc)
-        for step, kv in self._held_kv(torch.stack([k, v])):
-            st = _Step.at(step, self.rank, cu_seqlens_q, h)
-            dq_b, dkv_b = self._step_backward(st, kv, dout, q, out, lse, scale)
+        for hop, kv in self._held_kv(torch.stack([k, v])):
+            st = _Hop.at(hop, self.rank, cu_seqlens_q, h)
+            dq_b, dkv_b = self._hop_backward(st, kv, dout, q, out, lse, scale)
             _add_rows(dq, st.q_rows, dq_b)
-            _add_rows(dkvs[(self.rank - step) % self.world], st.kv_rows, dkv_b, dim=1)
+            _add_rows(dkvs[(self.rank - hop) % self.world], st.kv_rows, dkv_b, dim=1)
         dist.all_reduce(dkvs, group=self.group)
         return dq.to(q.dtype), dkvs[self.rank, 0].to(k.dtype), dkvs[self.rank, 1].to(v.dtype)
 

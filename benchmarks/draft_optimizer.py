@@ -43,8 +43,8 @@ def run_option(options: dict, label: str, overrides: list[str], work: Path) -> l
 
     config = load_config(options["recipe"], overrides + OPTIONS[label] + [
         f"trainer.max_steps={options['steps']}", f"trainer.run_dir={run_dir(work, label)}",
-        f"trainer.warmstart_dir={work / 'warmstart'}", "trainer.progress_bar=false", "trainer.eval_every_n_steps=0",
-        "trainer.checkpoint_every_n_steps=1000000", "rollout.eval_prompts=16", "rollout.eval_samples=2"])
+        f"trainer.warmstart_dir={work / 'warmstart'}", "trainer.progress_bar=false", "eval.every_n_steps=0",
+        "trainer.checkpoint_every_n_steps=1000000", "eval.prompts=16", "eval.samples=2"])
     return SpecTrainer(config).fit().history
 
 

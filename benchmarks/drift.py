@@ -43,8 +43,8 @@ POLICY_DRIFT = "trainer.callbacks=[{target: spectrain.callbacks.PolicyDrift}]"
 KEPT = ("step", "reward", "time/step", "rollout/", "draft/loss", "draft/seconds", "spec/", "drift/")  # key prefixes
 ACCEPTANCE = "spec/mean_acceptance_length"
 DEFAULTS = {"recipe": "tiny_cpu", "steps": 300, "speed_steps": 20, "seeds": 1, "scenarios": ",".join(SCENARIOS),
-            "shift": "task.digits=3,rollout.max_new_tokens=32",
-            "deep": "policy.num_hidden_layers=24,sft.steps=100,draft.warmup_steps=100",
+            "shift": "toy.digits=3,rollout.response_length=32",
+            "deep": "toy.num_hidden_layers=24,sft.steps=100,draft.warmup_steps=100",
             "resume": "false", "out": "runs/bench_drift", "work": "runs/bench_drift"}
 
 
@@ -126,7 +126,7 @@ def run_one(options: dict, overrides: list[str], run: Run, work: Path) -> dict:
     config = load_config(options["recipe"], overrides + scenario_overrides(options, overrides, run, work) + [
         f"draft.mode={run.mode}", f"trainer.seed={run.seed}", f"trainer.max_steps={run.steps}",
         f"trainer.run_dir={run_dir}", f"trainer.warmstart_dir={warmstart_dir(work, run)}",
-        "trainer.progress_bar=false", "trainer.eval_every_n_steps=0", "trainer.checkpoint_every_n_steps=1000000",
+        "trainer.progress_bar=false", "eval.every_n_steps=0", "trainer.checkpoint_every_n_steps=1000000",
         POLICY_DRIFT])
     fit = SpecTrainer(config).fit()
     return {**asdict(run), "seconds": fit.seconds, "eval_reward_start": fit.warmstart_reward,

@@ -115,12 +115,12 @@ def step_config(o: dict, scale: int, micro_batch_tokens: int | None):
 
     doc, heads = o["prompt"] + o["response"], max(1, o["hidden"] // 64)
     config = load_config("tiny_cpu", [
-        f"policy.hidden_size={o['hidden']}", f"policy.intermediate_size={3 * o['hidden']}",
-        f"policy.num_hidden_layers={o['layers']}", f"policy.num_attention_heads={heads}",
-        f"policy.num_key_value_heads={max(1, heads // 2)}", f"policy.max_position_embeddings={doc}",
-        "policy.dtype=float32", f"data.max_prompt_length={o['prompt']}", f"rollout.max_new_tokens={o['response']}",
-        f"rollout.max_model_len={doc}", f"rollout.prompts_per_step={scale}", f"rollout.group_size={o['docs']}",
-        "grpo.minibatches=1", "grpo.epochs=1", "grpo.kl_beta=0",
+        f"toy.hidden_size={o['hidden']}", f"toy.intermediate_size={3 * o['hidden']}",
+        f"toy.num_hidden_layers={o['layers']}", f"toy.num_attention_heads={heads}",
+        f"toy.num_key_value_heads={max(1, heads // 2)}", f"toy.max_position_embeddings={doc}",
+        "policy.dtype=float32", f"data.max_prompt_length={o['prompt']}", f"rollout.response_length={o['response']}",
+        f"rollout.max_model_len={doc}", f"rollout.prompts_per_step={scale}", f"rollout.n={o['docs']}",
+        "grpo.minibatches=1", "grpo.ppo_epochs=1", "grpo.kl_loss_coef=0",
         f"grpo.micro_batch_tokens={'null' if micro_batch_tokens is None else micro_batch_tokens}",
         f"draft.draft_vocab_size={o['draft_vocab']}", f"draft.ttt_passes={TTT_PASSES}",
         f"draft.loss_kernel={o['loss_kernel']}",

@@ -38,8 +38,8 @@ DEFAULTS = {"recipe": "tiny_cpu", "steps": 8, "rounds": 3, "modes": ",".join(BAS
             "out": "runs/bench_speedup", "work": "runs/bench_speedup"}
 KEPT = ("step", "reward", "time/step", "rollout/seconds", "rollout/tokens_per_s", "draft/seconds",
         "time/weight_sync", "spec/mean_acceptance_length", "spec/k_mean", "draft/updated")
-RUN_SETTINGS = ["trainer.progress_bar=false", "trainer.eval_every_n_steps=0", "trainer.log_samples_every_n_steps=0",
-                "trainer.checkpoint_every_n_steps=1000000", "rollout.eval_prompts=16", "rollout.eval_samples=2"]
+RUN_SETTINGS = ["trainer.progress_bar=false", "eval.every_n_steps=0", "trainer.log_samples_every_n_steps=0",
+                "trainer.checkpoint_every_n_steps=1000000", "eval.prompts=16", "eval.samples=2"]
 
 
 def fixed_k_mode(k: int) -> str:

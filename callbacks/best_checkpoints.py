@@ -24,6 +24,8 @@ class BestCheckpoints(Callback):
     removes the files of the steps it re-runs. State: the kept (step, score) pairs and the pending candidate.
     """
 
+    runs_after = ("HeldOutEval",)  # it keeps the steps by their held-out score
+
     def __init__(self, dirpath: Path, metric: str, mode: str, k: int, every_n_steps: int) -> None:
         assert mode in ("max", "min") and k >= 1 and every_n_steps >= 1, (mode, k, every_n_steps)
         self.dirpath, self.metric, self.mode, self.k, self.every_n_steps = Path(dirpath), metric, mode, k, every_n_steps
@@ -105,6 +107,6 @@ class BestCheckpoints(Callback):
 
     def _score(self, trainer, step: int) -> float | None:
         evals = [c for c in trainer.callbacks if isinstance(c, HeldOutEval)]
-        assert evals, "BestCheckpoints ranks by HeldOutEval's metrics; it needs trainer.eval_every_n_steps >= 1"
+        assert evals, "BestCheckpoints ranks by HeldOutEval's metrics; it needs eval.every_n_steps >= 1"
         rows = [r for r in evals[0].history if r["step"] == step and self.metric in r]
         return float(rows[-1][self.metric]) if rows else None

@@ -6,6 +6,7 @@ import time
 from typing_extensions import override
 
 from spectrain.callbacks.history import HistoryCallback
+from spectrain.errors import RunDirError
 
 
 class HeldOutEval(HistoryCallback):
@@ -35,11 +36,12 @@ class HeldOutEval(HistoryCallback):
 
     @override
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
-        # checkpoints written before the key named the settings hold the history under the class name: adopt it
-        # (Lightning restores state by `state_key` after this hook, and falls back to nothing but pre-1.5 keys)
+        # a history under the bare class name is another layout (Lightning would restore it as a pre-1.5 key): refused
         states = checkpoint.get("callbacks") or {}
         if self.state_key not in states and type(self).__qualname__ in states:
-            states[self.state_key] = states.pop(type(self).__qualname__)
+            raise RunDirError(f"the checkpoint keeps the held-out evaluation under '{type(self).__qualname__}', not "
+                              f"under its settings' key: it was written by an earlier spectrain, whose checkpoints "
+                              f"are not read; start the run again in another trainer.run_dir")
 
     @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:

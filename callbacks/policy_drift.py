@@ -94,7 +94,7 @@ class PolicyDrift(Callback):
     @torch.no_grad()
     def measure(self, pl_module, batch) -> dict[str, float]:
         policy = pl_module.policy
-        taps = tuple(pl_module.draft.cfg.tap_layers) if pl_module.draft is not None \
+        taps = tuple(pl_module.draft.model.cfg.tap_layers) if pl_module.draft is not None \
             else default_tap_layers(policy.cfg.num_hidden_layers)
         out = policy(batch.input_ids, batch.position_ids, batch.cu_seqlens, tap_layers=taps)
         ref = self.reference(batch.input_ids, batch.position_ids, batch.cu_seqlens, tap_layers=taps)

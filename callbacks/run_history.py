@@ -81,6 +81,9 @@ class RunHistory(HistoryCallback):
     `num_speculative_tokens` (k) sets the acceptance ceiling; None: the module's `config.draft`'s at the end.
     """
 
+    # its step time covers them (Lightning runs its own ModelCheckpoints after every other callback)
+    runs_after = ("BestCheckpoints", "HeldOutEval", "PeriodicExport")
+
     def __init__(self, plot_path: str | None = None, num_speculative_tokens: int | None = None) -> None:
         super().__init__()
         self.plot_path = plot_path

@@ -16,7 +16,7 @@ class SpeedupProbe(Callback):
     (`GRPOModule.measure_speedup`), and logs `spec/speedup_estimate` (tokens/s with over without) with both rates
     and `time/speedup_probe` (its seconds, outside `time/step`). Steps without a probe log NaN.
 
-    The estimate holds at the sample's concurrency (`prompts` x `rollout.group_size` sequences), which is below the
+    The estimate holds at the sample's concurrency (`prompts` x `rollout.n` sequences), which is below the
     rollout's: speculation usually pays more at low concurrency, so it is an upper bound for the rollout itself.
     The training stream is untouched: the step's rollout re-seeds its sampling.
 
@@ -31,7 +31,7 @@ class SpeedupProbe(Callback):
 
     @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if (pl_module.current_step - 1) % self.every_n_steps:
+        if pl_module.global_step % self.every_n_steps:  # on steps 1, 1 + n, ...: the one about to run
             pl_module.log_dict({key: math.nan for key in (*PROBE_KEYS, "time/speedup_probe")}, on_step=True,
                                batch_size=1)
             return

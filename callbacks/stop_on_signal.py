@@ -26,6 +26,8 @@ class StopOnSignal(Callback):
     hold. Handlers are installed only in the main thread and restored at the end.
     """
 
+    runs_after = ("RunHistory",)  # its checkpoint holds every state of the step (ModelCheckpoints run last anyway)
+
     def __init__(self, ckpt_path: str) -> None:
         self.ckpt_path = ckpt_path
         self.received: int = 0  # the signal noted on this rank

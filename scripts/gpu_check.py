@@ -31,18 +31,18 @@ KERNEL_TESTS = ["tests/unit/test_triton_attention.py", "tests/unit/test_lse_merg
                 "tests/unit/test_draft_loss.py", "tests/unit/test_attention_backends.py"]
 FIT_STEPS = 4
 FIT = ["rollout.engine=torch", "policy.dtype=bfloat16", f"trainer.max_steps={FIT_STEPS}", "sft.steps=60",
-       "draft.warmup_steps=20", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.eval_prompts=8",
-       "rollout.eval_samples=2", "trainer.eval_every_n_steps=0", "trainer.progress_bar=false",
-       "draft.check_alive=false", "trainer.resume=never"]
+       "draft.warmup_steps=20", "rollout.prompts_per_step=4", "rollout.n=4", "eval.prompts=8",
+       "eval.samples=2", "eval.every_n_steps=0", "trainer.progress_bar=false",
+       "sync.check_alive=false", "trainer.resume=never"]
 # on CPU the kernels the GPU run picks by `auto` are named (the interpreter is slow: the rollouts stay on torch)
 FIT_DRY_RUN = ["draft.loss_kernel=triton"]
 INTERPRETER = {"TRITON_INTERPRET": "1"}
 COMPILED = {"TRITON_INTERPRET": None}  # an inherited interpreter setting would hide the real compile
 # the GPU-sized speedup study: 24 x 1536 (12 heads of 128, 2 KV heads), 16-digit worked sums
-SPEEDUP = ["trainer.accelerator=cuda", "policy.dtype=bfloat16", "policy.hidden_size=1536",
-           "policy.intermediate_size=4096", "policy.num_hidden_layers=24", "policy.num_attention_heads=12",
-           "policy.num_key_value_heads=2", "policy.max_position_embeddings=256", "rollout.max_model_len=256",
-           "task.digits=16", "rollout.max_new_tokens=192", "rollout.prompts_per_step=16", "rollout.group_size=8",
+SPEEDUP = ["trainer.accelerator=cuda", "policy.dtype=bfloat16", "toy.hidden_size=1536",
+           "toy.intermediate_size=4096", "toy.num_hidden_layers=24", "toy.num_attention_heads=12",
+           "toy.num_key_value_heads=2", "toy.max_position_embeddings=256", "rollout.max_model_len=256",
+           "toy.digits=16", "rollout.response_length=192", "rollout.prompts_per_step=16", "rollout.n=8",
            "sft.steps=300", "sft.lr=3e-4", "draft.warmup_steps=200", "draft.hold_tolerance=0.05"]
 NO_VLLM = "import sys; sys.modules['vllm'] = None; from spectrain.cli import main; sys.exit(main())"
 

@@ -55,6 +55,7 @@ class RolloutBatch:
         lengths = torch.tensor([ends[i] - starts[i] for i in doc_indices])
         cu = torch.zeros(len(doc_indices) + 1, dtype=self.cu_seqlens.dtype)
         cu[1:] = torch.cumsum(lengths, 0)
+        assert self.response_lengths is not None  # __post_init__ fills it in
         return RolloutBatch(self.input_ids[rows], self.position_ids[rows], cu, self.targets[rows],
                             self.response_mask[rows], self.advantages[rows], self.rollout_logprobs[rows],
                             self.response_lengths[rows])

@@ -39,7 +39,7 @@ def is_override(arg: str) -> bool:
 
 def recipe_description(path: Path) -> str:
     """The first sentence of a recipe's header comment (its leading `#` lines, up to the first empty one)."""
-    lines = []
+    lines: list[str] = []
     for line in path.read_text().splitlines():
         if not line.startswith("#"):
             break
@@ -270,12 +270,12 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("run", help="a run directory (its final/, else its newest exports/step_NNNNNN/) or an "
                                       "export directory")
     evaluate.add_argument("overrides", nargs="*", help="key=value overrides of the run's config, e.g. "
-                                                        "rollout.eval_prompts=500")
+                                                        "eval.prompts=500")
     evaluate.add_argument("--val-files", nargs="+", metavar="FILE",
                           help="held-out prompt files (.jsonl, .json or .parquet) instead of the run's; key=value "
                                "overrides may follow them")
     evaluate.add_argument("--samples", type=int, metavar="K",
-                          help="sampled completions per prompt (default: the run's rollout.eval_samples)")
+                          help="sampled completions per prompt (default: the run's eval.samples)")
     evaluate.add_argument("--correct-at", type=float, default=1.0, metavar="X",
                           help="a sample passes when its reward >= X (default 1.0)")
     evaluate.add_argument("--out", metavar="PATH", help="also write the JSON here")

@@ -63,7 +63,9 @@ def busy_cores(interval_s: float = 0.25) -> float:
             ticks = [int(v) for v in f.readline().split()[1:]]
         return sum(ticks), ticks[3] + ticks[4]  # all, idle + iowait
 
-    (total0, idle0), _, (total1, idle1) = sample(), time.sleep(interval_s), sample()
+    total0, idle0 = sample()
+    time.sleep(interval_s)
+    total1, idle1 = sample()
     now = (1 - (idle1 - idle0) / max(1, total1 - total0)) * (os.cpu_count() or 1)
     return max(now, os.getloadavg()[0])
 

@@ -100,7 +100,7 @@ def evaluate_run(target: str | Path, val_files: list[str] | None = None, samples
     check_export(export, config)
     if val_files:
         config.data.val_files = [str(Path(f).expanduser()) for f in val_files]
-    k = config.rollout.eval_samples if samples is None else samples
+    k = config.eval.samples if samples is None else samples
     if k < 1:
         raise ConfigError(f"eval: --samples is {k}; give at least 1 sample per prompt")
     trainer = SpecTrainer(config)

@@ -1,6 +1,7 @@
 """What several test files share: the shrunken recipe, metric readers, a tiny policy, dense attention references."""
 import csv
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -8,12 +9,13 @@ from torch import nn
 from spectrain.models.eagle3 import Eagle3Config, Eagle3Draft, build_vocab_mapping
 from spectrain.models.llama import LlamaConfig, LlamaForCausalLM
 from spectrain.tasks.tokenizer import CharTokenizer
+from spectrain.train.step import StepModule
 
 TINY = ["sft.steps=20", "sft.batch_size=16", "draft.warmup_steps=10", "rollout.prompts_per_step=4",
-        "rollout.group_size=4", "rollout.eval_prompts=8", "trainer.progress_bar=false",
-        "trainer.checkpoint_every_n_steps=1", "draft.check_alive=false",
-        "grpo.minibatches=2", "grpo.epochs=2", "grpo.kl_beta=0.05",
-        "trainer.eval_every_n_steps=1", "rollout.eval_samples=2"]  # 4 clipped updates per step, KL to warm start
+        "rollout.n=4", "eval.prompts=8", "trainer.progress_bar=false",
+        "trainer.checkpoint_every_n_steps=1", "sync.check_alive=false",
+        "grpo.minibatches=2", "grpo.ppo_epochs=2", "grpo.kl_loss_coef=0.05",
+        "eval.every_n_steps=1", "eval.samples=2"]  # 4 clipped updates per step, KL to warm start
 
 
 def metrics(run_dir):
@@ -163,14 +165,45 @@ def dense_ttt(q, keys, values, mask, scale=None):
     return torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v)
 
 
-def step_outputs(module) -> dict:
-    """What `on_train_batch_end` gets as `outputs` after a step, built from a stand-in module's fields (the
-    `StepResult` parts the callbacks read: the rollout's counters, the logprob check, the batch)."""
-    from types import SimpleNamespace
-
-    return {"step": SimpleNamespace(rollout=getattr(module, "rollout_stats", None),
-                                    engine_logprob_diff=getattr(module, "engine_logprob_diff", float("nan")),
+def step_outputs(module, step: int = 1) -> dict:
+    """What `on_train_batch_end` gets as `outputs` after GRPO step `step`, built from a stand-in module's fields
+    (the `StepResult` parts the callbacks read: the rollout's counters, the logprob check, the batch)."""
+    return {"step": SimpleNamespace(step=step, rollout=getattr(module, "rollout_stats", None),
+                                    policy=SimpleNamespace(engine_logprob_diff=getattr(module, "engine_logprob_diff",
+                                                                                       float("nan"))),
                                     batch=getattr(module, "rollout_batch", None))}
+
+
+class StepModuleStandIn(SimpleNamespace, StepModule):
+    """Just enough of GRPOModule for the callbacks (the `StepModule` contract): logged values kept, one rank."""
+
+    global_step = 0
+    teacher_dtype = torch.float32
+    trains_draft = True
+
+    def log(self, name, value, *_, **__):
+        self.logged[name] = float(value)
+
+    def log_dict(self, dictionary, *_, **__):
+        self.logged.update({k: float(v) for k, v in dictionary.items()})
+
+    def manual_backward(self, loss, *_, **__):
+        loss.backward()
+
+    def sum_over_ranks(self, tensor):
+        return tensor
+
+    def max_over_ranks(self, tensor):
+        return tensor
+
+
+def sync_step(callback, module: StepModuleStandIn, step: int, woke: bool = False):
+    """GRPO step `step`'s weight-sync phase as GRPOModule runs it (the rollout's acceptance to the draft's owner,
+    then `WeightSync.sync_weights`), on a stand-in module whose `rollout_stats` is the step's rollout."""
+    module.global_step = step
+    if module.draft is not None and module.rollout_stats is not None:
+        module.draft.observe(module.rollout_stats.spec)
+    return callback.sync_weights(module, step_outputs(module, step)["step"], woke)
 
 
 def export_engine_models(root: Path) -> tuple[Path, Path]:

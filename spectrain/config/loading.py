@@ -16,8 +16,10 @@ from pathlib import Path
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf._utils import is_structured_config
 from omegaconf.errors import OmegaConfBaseException
 
+from spectrain.config.keymap import refusal
 from spectrain.config.schema import DEFAULT_RECIPE, SpecTrainConfig
 from spectrain.config.validation import validate
 from spectrain.errors import ConfigError
@@ -67,50 +69,42 @@ def _load_with_defaults(path: Path, seen: tuple[Path, ...] = ()) -> list[DictCon
     return layers + [node]
 
 
-# keys that were renamed: a recipe that still uses the old name is told the new one
-RENAMED_KEYS = {"draft.aux_layer_ids": "draft.tap_layers", "draft.ttt_steps": "draft.ttt_passes",
-                "task.path": "data.train_files", "task.on_bad_row": "data.on_bad_row", "task.reward": "reward.name",
-                "task.partial_credit": "reward.partial_credit",
-                "speculation.long_tail.max_steps": "speculation.long_tail.max_updates"}
-RENAMED_VALUES = {("task.name", "jsonl"): "files"}  # a recorded value under its new name
-# keys that were removed: a recipe that still sets one is told why, and what to use instead
-REMOVED_KEYS = {"sft.eval_prompts": "nothing ever read it; the held-out evaluation's prompt count is "
-                                    "rollout.eval_prompts"}
+def _unknown_paths(layer: DictConfig, schema: DictConfig | None, prefix: str = ""):
+    """The dotted paths of the values in `layer` that the schema has no key for (the free-form mappings, such as
+    rollout.vllm_kwargs, take any key)."""
+    for key in layer.keys():
+        full = f"{prefix}{key}"
+        known = schema is not None and key in schema
+        child = layer._get_node(key)
+        inner = schema._get_node(key) if known else None
+        if known and not (isinstance(inner, DictConfig) and is_structured_config(inner._metadata.object_type)):
+            continue  # a schema value, or a free-form mapping
+        if isinstance(child, DictConfig) and not (child._is_none() or child._is_missing() or child._is_interpolation()):
+            yield from _unknown_paths(child, inner, f"{full}.")
+        elif not known:
+            yield full
 
 
-def upgrade_recorded_keys(settings):
-    """`settings` (a config tree an older spectrain recorded, plain or omegaconf) in today's keys: RENAMED_KEYS
-    under their new name, REMOVED_KEYS dropped (they never changed what a run trains), so the caches and runs it
-    recorded stay valid."""
-    for old, new in (*RENAMED_KEYS.items(), *((key, None) for key in REMOVED_KEYS)):
-        section, _, name = old.partition(".")
-        if name not in (settings.get(section) or {}):
-            continue
-        value = settings[section].pop(name)
-        if new is not None:
-            new_section, _, new_name = new.partition(".")
-            if new_section not in settings:  # DictConfig.setdefault returns a copy, not the node
-                settings[new_section] = {}
-            settings[new_section][new_name] = value
-    for (key, old_value), new_value in RENAMED_VALUES.items():
-        section, _, name = key.partition(".")
-        if (settings.get(section) or {}).get(name) == old_value:
-            settings[section][name] = new_value
-    return settings
+def _refuse_known_names(layer: DictConfig, schema: DictConfig, origin: str) -> None:
+    """A key spectrain renamed, or verl's or NeMo-RL's name for a spectrain key: refused, naming the key to use."""
+    for path in _unknown_paths(layer, schema):
+        why = refusal(path)
+        if why is not None:
+            raise ConfigError(f"{origin}: {why}")
 
 
 def _merge(base: DictConfig, layer: DictConfig, origin: str) -> DictConfig:
+    _refuse_known_names(layer, base, origin)
     try:
         return OmegaConf.merge(base, layer)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or _mistyped_section(base, layer)
-        if key in RENAMED_KEYS:
-            raise ConfigError(f"{origin}: '{key}' was renamed to '{RENAMED_KEYS[key]}' (docs/glossary.md); use the "
-                              f"new name") from exc
-        if key in REMOVED_KEYS:
-            raise ConfigError(f"{origin}: '{key}' was removed: {REMOVED_KEYS[key]}. Delete the key "
-                              f"(docs/glossary.md lists renamed and removed keys)") from exc
-        raise ConfigError(f"{origin}: bad value for '{key}': {_merge_reason(exc)}. "
+        reason = _merge_reason(exc)
+        literal = re.match(r"Invalid value (.*), expected one of (\[.*\])$", reason)
+        if literal:  # a `Literal` key: said as `validate` says it (a recipe named, an override as it is)
+            where = f"{origin}: " if origin.startswith("recipe") else ""
+            raise ConfigError(f"{where}{key}: {literal.group(1)} is not one of {literal.group(2)}") from exc
+        raise ConfigError(f"{origin}: bad value for '{key}': {reason}. "
                           f"Check the key's spelling and type against spectrain/config/schema.py "
                           f"(`spectrain show-config` prints every key with its default)") from exc
 
@@ -353,7 +347,7 @@ def to_yaml(config: SpecTrainConfig) -> str:
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
-    flat = {}
+    flat: dict = {}
     for name, value in tree.items():
         flat.update(_flat(value, f"{prefix}{name}.") if isinstance(value, dict) else {f"{prefix}{name}": value})
     return flat

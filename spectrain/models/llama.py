@@ -45,7 +45,7 @@ class LlamaConfig:
     num_hidden_layers: int = 4
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
-    head_dim: int | None = None
+    head_dim: int = 0  # 0 (or None): hidden_size // num_attention_heads
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 256
@@ -58,14 +58,14 @@ class LlamaConfig:
     attention_bias: bool = False  # biases on q/k/v (Qwen2; Llama's attention_bias sets o_proj_bias too)
     o_proj_bias: bool = False
     rope_scaling: dict | None = None
-    model_type: str | None = None  # None: "qwen3" with qk_norm, else "llama"
+    model_type: str = ""  # "" (or None): "qwen3" with qk_norm, else "llama"
     hf_config: dict | None = field(default=None, repr=False, compare=False)
     source_dir: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        if self.head_dim is None:
+        if not self.head_dim:
             self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.model_type is None:
+        if not self.model_type:
             self.model_type = "qwen3" if self.qk_norm else "llama"
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
@@ -200,7 +200,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
@@ -325,11 +325,12 @@ class LlamaForCausalLM(nn.Module):
         return CausalLMOutput(logits, hidden, embeds, [captured[i] for i in tap_layers], logprobs, teacher)
 
 
-def apply_activation_checkpointing(policy: nn.Module, enabled: bool) -> None:
+def apply_activation_checkpointing(policy: LlamaForCausalLM, enabled: bool) -> None:
     """Recompute every decoder layer of `policy` in the backward (`policy.activation_checkpointing`): one extra
     layer forward each, for keeping only the layer inputs. A flag on each layer, read at its call: a pipeline
     stage holding the layers checkpoints too, and `fully_shard` (before or after) keeps it."""
     for layer in policy.model.layers.values():
+        assert isinstance(layer, DecoderLayer), type(layer)
         layer.activation_checkpointing = enabled
 
 

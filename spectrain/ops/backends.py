@@ -39,6 +39,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -115,7 +116,8 @@ def fastest(names: list[str], half_dtype: torch.dtype | None, *call) -> tuple[st
 
     A candidate that fails here (a kernel this GPU or these shapes cannot take) is left out, and said so; the
     last one's error is raised when none runs."""
-    timings, error = {}, None
+    timings: dict[str, float] = {}
+    error: Exception | None = None
     for name in names:
         try:
             timings[name] = time_backend(build_attention_ops(name, half_dtype), *call)
@@ -123,8 +125,9 @@ def fastest(names: list[str], half_dtype: torch.dtype | None, *call) -> tuple[st
             error = exc
             _say_once(f"[spectrain] policy.attention_backend=auto: {name} left out ({type(exc).__name__}: {exc})")
     if not timings:
+        assert error is not None  # `names` is not empty
         raise error
-    return min(timings, key=timings.get), timings
+    return min(timings, key=timings.__getitem__), timings
 
 
 def check_attention_backend(name: str, device_type: str, half_dtype: torch.dtype | None = None) -> str:
@@ -209,9 +212,10 @@ def build_attention_ops(name: str, half_dtype: torch.dtype | None = None):
     """
     if name == "auto":
         return AutoAttentionOps(half_dtype)
-    builders = {"torch": LocalAttentionOps, "flex": FlexOps, "triton": lambda: _triton_ops(half_dtype),
-                "varlen": lambda: VarlenOps(half_dtype), "flash_attn": lambda: FlashAttnOps(half_dtype),
-                "te": lambda: TransformerEngineOps(half_dtype)}
+    builders: dict[str, Callable[[], object]] = {
+        "torch": LocalAttentionOps, "flex": FlexOps, "triton": lambda: _triton_ops(half_dtype),
+        "varlen": lambda: VarlenOps(half_dtype), "flash_attn": lambda: FlashAttnOps(half_dtype),
+        "te": lambda: TransformerEngineOps(half_dtype)}
     if name not in builders:
         raise backend_error(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
     return builders[name]()

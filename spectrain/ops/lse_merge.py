@@ -37,9 +37,9 @@ def merge_attn(
     On CUDA the merge of two tensors runs as one Triton kernel each way
     (``spectrain.kernels.lse_merge_triton``, the same formulas).
     """
-    if (out is None) != (lse is None):
-        raise ValueError("out and lse must both be None or both be tensors")
-    if out is None:
+    if out is None or lse is None:
+        if out is not None or lse is not None:
+            raise ValueError("out and lse must both be None or both be tensors")
         dtype = _acc_dtype(block_out, block_lse)
         return block_out.to(dtype), block_lse.to(dtype)
     if block_out.is_cuda:

@@ -1,13 +1,14 @@
 """Sharded data parallel (`parallel.fsdp=true`): FSDP2 `fully_shard` of the policy and the draft.
 
-Each decoder layer, then the policy's root (embeddings, final norm, lm_head), then the draft
-as one unit (its forward reaches into the midlayer's submodules, so a unit per midlayer
-would never see its own forward) are sharded over ALL data-holding ranks: the dp x cp
-mesh flattened to ``dp_cp`` (torchtitan's ``dp_shard_cp``), not HSDP. Every one of those
-ranks computes a gradient share of the same parameters, so one reduce-scatter over all of
-them is exactly the all-reduce `ContextParallelPlan` runs today, each rank keeps
-1/(dp*cp) of the weights and AdamW state instead of 1/dp, and no second (replicate)
-collective is needed.
+Applied after the plan's stage split (`shard_modules`; a pipeline stage, or the whole policy at
+pp=1): each decoder layer of this rank's stage(s), then the rest of the stage (embeddings, final
+norm, lm_head: the policy's root at pp=1), then the draft where it lives, as one unit (its forward
+reaches into the midlayer's submodules, so a unit per midlayer would never see its own forward),
+are sharded over ALL ranks holding the same stage: the dp x cp mesh flattened to ``dp_cp``
+(torchtitan's ``dp_shard_cp``), not HSDP. Every one of those ranks computes a gradient share of
+the same parameters, so one reduce-scatter over all of them is exactly the all-reduce the plan runs
+unsharded, each rank keeps 1/(dp*cp) of its stage's weights and AdamW state instead of all of them,
+and no second (replicate) collective is needed.
 
 Gradients are SUMMED (every loss is already divided by the global token count): divide
 factor 1 with sum-only collectives, which also suits gloo (no AVG / PREMUL_SUM there).
@@ -29,8 +30,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from spectrain.parallel.cp.plan import ContextParallelPlan
-from spectrain.parallel.plan import LocalPlan
+from spectrain.models.llama import LlamaForCausalLM
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -48,42 +48,58 @@ def sum_gradients(module: nn.Module) -> None:
             unit.set_force_sum_reduction_for_comms(True)
 
 
-def _shard_layers_then_root(model: nn.Module, mesh, mp: MixedPrecisionPolicy,
-                            root_reshard_after_forward: bool | None = None) -> None:
-    """One FSDP unit per decoder layer (gathered just before it runs, freed after), then the root (None: FSDP's
-    default for a root, kept gathered from its forward to its backward)."""
-    for layer in model.model.layers.values():
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=root_reshard_after_forward)
+def shard_stage(stage: nn.Module, mesh, mp: MixedPrecisionPolicy,
+                root_reshard_after_forward: bool | None = None) -> None:
+    """One FSDP unit per decoder layer of `stage` (gathered just before it runs, freed after), then the rest (None:
+    FSDP's default for a root, kept gathered from its forward to its backward).
 
-
-def shard_policy(policy: nn.Module, mesh, mp: MixedPrecisionPolicy) -> None:
-    _shard_layers_then_root(policy, mesh, mp)
-    sum_gradients(policy)
-
-
-def shard_reference(reference: nn.Module, mesh, mp: MixedPrecisionPolicy) -> None:
-    """The frozen KL reference sharded like the policy (1/N of its weights per rank, no gradients, no optimizer).
-
-    It only ever runs under no_grad, so no backward comes to free the gathered root (embeddings,
-    lm_head): the root reshards after its forward too, unlike the policy's.
+    `stage` is the whole policy (pp=1: the rest is the policy itself, the root) or a pipeline stage: then each of
+    its embeddings, final norm and lm_head is a unit of its own (the runner's stage objects are rebuilt per
+    microbatch budget, so the units are the modules they share, and FSDP runs one root module per unit).
     """
-    reference.requires_grad_(False)
-    _shard_layers_then_root(reference, mesh, mp, root_reshard_after_forward=True)
+    for layer in stage.model.layers.values():
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+    rest = [stage] if isinstance(stage, LlamaForCausalLM) else [
+        m for m in (getattr(stage.model, "embed_tokens", None), getattr(stage.model, "norm", None),
+                    getattr(stage, "lm_head", None)) if m is not None]
+    for module in rest:
+        fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=root_reshard_after_forward)
 
 
-def shard_draft(draft: nn.Module, mesh, mp: MixedPrecisionPolicy) -> None:
-    fully_shard(draft, mesh=mesh, mp_policy=mp)
-    sum_gradients(draft)
+def shard_modules(plan, policy: nn.Module, draft: nn.Module | None = None, reference: nn.Module | None = None,
+                  param_dtype: torch.dtype | None = None) -> None:
+    """FSDP2 over `plan.replica_mesh` (the dp x cp ranks holding the same stage), applied after the plan's stage
+    split: each of this rank's `plan.stages(policy)`, the KL `reference`'s likewise (frozen; only pp=1 has one),
+    and the `draft` where it lives. In place; build the optimizers afterwards.
+
+    Gradients are summed in the reduce-scatter, so the plan's `reduce_gradients` leaves sharded ones alone.
+    """
+    mp = mixed_precision(param_dtype)
+    for stage in plan.stages(policy):
+        shard_stage(stage, plan.replica_mesh, mp)
+    sum_gradients(policy)
+    if reference is not None:
+        reference.requires_grad_(False)
+        for stage in plan.stages(reference):
+            # only ever run under no_grad: no backward comes to free a gathered root, so it reshards after forward
+            shard_stage(stage, plan.replica_mesh, mp, root_reshard_after_forward=True)
+    if draft is not None and plan.hosts_draft:
+        # its forward reaches into the midlayer's submodules: one unit, so no unit misses its own forward
+        fully_shard(draft, mesh=plan.replica_mesh, mp_policy=mp)
+        sum_gradients(draft)
 
 
 def is_sharded(module: nn.Module | None) -> bool:
-    return isinstance(module, FSDPModule)
+    """Whether any part of `module` is sharded (under pp, only this rank's stage of the policy is)."""
+    return module is not None and any(isinstance(m, FSDPModule) for m in module.modules())
 
 
 def full_tensor(t: torch.Tensor, keep: bool) -> torch.Tensor | None:
-    """`t` whole, on the CPU, where `keep`; collective for a DTensor (every rank must call it), else local."""
-    full = t.full_tensor() if isinstance(t, DTensor) else t
+    """`t` whole where `keep`: a DTensor gathered onto the CPU (collective: every rank of its mesh must call it),
+    a plain tensor as it is (detached, no copy)."""
+    if not isinstance(t, DTensor):
+        return t.detach() if keep else None
+    full = t.full_tensor()
     return full.detach().cpu() if keep else None
 
 
@@ -131,40 +147,3 @@ def unsharded_copy(module: nn.Module | None, keep: bool) -> nn.Module | None:
     copy = type(module)(module.cfg)
     copy.load_state_dict(state, assign=True)  # the gathered tensors themselves, in their dtype
     return copy
-
-
-class FullyShardedPlan(ContextParallelPlan):
-    """`ContextParallelPlan` whose policy and draft are sharded over the flattened dp x cp ranks.
-
-    The step is the CP plan's (dp slices, zigzag shards, ring attention); FSDP gathers each
-    unit's weights for its forward and backward and reduce-scatters the summed gradients,
-    so `reduce_gradients` has nothing left to do for a sharded module. `prepare` (rank 0's
-    weights everywhere) runs before `shard_modules`, on whole tensors.
-    """
-
-    def shard_modules(self, module: nn.Module, param_dtype: torch.dtype | None = None) -> None:
-        """Shard `module.policy`, the KL `module.reference` (when there is one) and `module.draft` in place;
-        build their optimizers afterwards."""
-        mp = mixed_precision(param_dtype)
-        shard_policy(module.policy, self.replica_mesh, mp)
-        if getattr(module, "reference", None) is not None:
-            shard_reference(module.reference, self.replica_mesh, mp)
-        if module.draft is not None:
-            shard_draft(module.draft, self.replica_mesh, mp)
-
-    def reduce_gradients(self, module: nn.Module) -> None:
-        if not is_sharded(module):
-            super().reduce_gradients(module)
-
-    def clip_grad_norm(self, module: nn.Module, max_norm: float) -> torch.Tensor:
-        """torch's clip over DTensor gradients: the norm is reduced over the shards, i.e. the global one."""
-        norm = torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
-
-    def policy_weights(self, policy, everywhere: bool = False) -> NamedTensors | None:
-        """The policy gathered tensor by tensor, kept on rank 0 (`everywhere`: on every rank, for its engine); the
-        other ranks drive the same all-gathers."""
-        return gathered(LocalPlan().policy_weights(policy), keep=self.is_rollout_rank or everywhere)
-
-    def draft_weights(self, draft, everywhere: bool = False) -> NamedTensors | None:
-        return gathered(LocalPlan().draft_weights(draft), keep=self.is_rollout_rank or everywhere)

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from spectrain.parallel.torch_compat import flatten_dense_tensors, unflatten_dense_tensors
 
@@ -46,22 +47,42 @@ def build_mesh(pp: int, dp: int, cp: int, device_type: str = "cpu") -> DeviceMes
 
 
 def by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Tensors grouped by dtype, groups and members in first-seen order (flat collectives need one dtype)."""
-    groups: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+    """Tensors grouped by dtype (and device), groups and members in first-seen order (flat collectives need one
+    dtype on one device)."""
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
     for t in tensors:
-        groups[t.dtype].append(t)
+        groups[t.dtype, t.device].append(t)
     return list(groups.values())
 
 
 def all_reduce_gradients(module: nn.Module, group: dist.ProcessGroup) -> None:
     """Sum `module`'s gradients over `group`, in place, one flat all-reduce per dtype.
 
-    Every rank of `group` must have gradients for the same parameters (they run the same graph).
+    Every rank of `group` must have gradients for the same parameters (they run the same graph). FSDP-sharded
+    parameters are left out: their gradients were reduce-scattered over `group` in the backward.
     """
     if dist.get_world_size(group) == 1:
         return
-    for bucket in by_dtype([p.grad for p in module.parameters() if p.grad is not None]):
+    grads = [p.grad for p in module.parameters() if p.grad is not None and not isinstance(p.grad, DTensor)]
+    for bucket in by_dtype(grads):
         flat = flatten_dense_tensors(bucket)
         dist.all_reduce(flat, group=group)
         for g, summed in zip(bucket, unflatten_dense_tensors(flat, bucket)):
             g.copy_(summed)
+
+
+def clip_grad_norm(module: nn.Module, max_norm: float, stage_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Clip `module`'s gradients (summed over its replicas already) by the norm of the whole model, and return it.
+
+    Sharded gradients (FSDP) add their squares over the shards (`DTensor.full_tensor`); a pipeline stage's
+    parameters are a part of the model: `stage_group` (the pp group) adds the stages' squares.
+    """
+    params = [p for p in module.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    if stage_group is not None:
+        squared = norm.pow(2)
+        dist.all_reduce(squared, group=stage_group)
+        norm = squared.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm

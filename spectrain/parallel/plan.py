@@ -45,7 +45,7 @@ class DraftInputs:
 
 
 @dataclass
-class PolicyStepResult:
+class PolicyUpdateResult:
     loss: torch.Tensor  # the update's loss: every rank's shares summed (detached)
     logprobs: torch.Tensor  # detached logprobs of this rank's targets
     batch: RolloutBatch  # the part of the batch those logprobs belong to (its micro-batches back to back)
@@ -60,7 +60,7 @@ class TrainPlan(Protocol):
     def policy_forward_backward(self, policy: LlamaForCausalLM, batch: RolloutBatch, loss_fn: PolicyLossFn,
                                 tap_layers: tuple[int, ...], backward: Callable, on_taps: TapsFn | None = None,
                                 micro_batch_tokens: int | None = None,
-                                teacher_t2d: torch.Tensor | None = None) -> PolicyStepResult: ...
+                                teacher_t2d: torch.Tensor | None = None) -> PolicyUpdateResult: ...
 
     def reduce_gradients(self, module: nn.Module) -> None: ...
 
@@ -102,9 +102,9 @@ def draft_inputs_from(out: CausalLMOutput, batch: RolloutBatch, ops, shift_fn, n
                        num_valid_tokens, top1)
 
 
-def micro_batch_step(policy: LlamaForCausalLM, mb: RolloutBatch, loss_fn: PolicyLossFn, tap_layers, backward,
-                     on_taps: TapsFn | None, ops, shift_fn: ShiftFn | None,
-                     teacher_t2d: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def micro_batch_forward_backward(policy: LlamaForCausalLM, mb: RolloutBatch, loss_fn: PolicyLossFn, tap_layers,
+                                 backward, on_taps: TapsFn | None, ops, shift_fn: ShiftFn | None,
+                                 teacher_t2d: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward, loss and backward of one micro-batch (`mb`: this rank's tokens of it), then its taps to `on_taps`;
     its loss share and logprobs, detached. No [T, V] logits exist: the lm_head runs in chunks for the logprobs and,
     with taps, for the teacher over the draft vocabulary `teacher_t2d` (`ops/chunked_logprobs.py`)."""
@@ -129,12 +129,12 @@ class LocalPlan:
         return obj
 
     def policy_forward_backward(self, policy, batch, loss_fn, tap_layers, backward, on_taps=None,
-                                micro_batch_tokens=None, teacher_t2d=None) -> PolicyStepResult:
+                                micro_batch_tokens=None, teacher_t2d=None) -> PolicyUpdateResult:
         parts = micro_batches(batch, micro_batch_tokens)
-        steps = [micro_batch_step(policy, mb, loss_fn, tap_layers, backward, on_taps, policy.attention_ops, None,
-                                  teacher_t2d) for mb in parts]
-        return PolicyStepResult(torch.stack([loss for loss, _ in steps]).sum(),
-                                torch.cat([lp for _, lp in steps]), concat_batches(parts, batch))
+        done = [micro_batch_forward_backward(policy, mb, loss_fn, tap_layers, backward, on_taps, policy.attention_ops,
+                                             None, teacher_t2d) for mb in parts]
+        return PolicyUpdateResult(torch.stack([loss for loss, _ in done]).sum(),
+                                  torch.cat([lp for _, lp in done]), concat_batches(parts, batch))
 
     def reduce_gradients(self, module: nn.Module) -> None:
         pass

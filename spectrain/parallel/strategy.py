@@ -185,16 +185,17 @@ class SpecParallelStrategy(ParallelStrategy):
         return self._plan
 
     def build_plan(self):
-        """The `TrainPlan` for this mesh: `PipelinePlan` for pp > 1, `FullyShardedPlan` under parallel.fsdp, else
-        `ContextParallelPlan`."""
+        """The `TrainPlan` for this mesh: `PipelinePlan` for pp > 1, else `ContextParallelPlan` (dp x cp).
+
+        The parallelisms are applied one after another, as torchtitan's `parallelize` does: the plan
+        splits the policy into pipeline stages (pp; pp=1 is one stage, the whole policy), `shard_model`
+        shards each of this rank's stages over its dp x cp copies (parallel.fsdp), and the step runs each
+        stage on this dp rank's documents, zigzag-sharded with ring attention over the cp group (cp).
+        """
         if self.parallel.pp > 1:
             from spectrain.parallel.pp.plan import PipelinePlan
 
             return PipelinePlan(self.mesh, self.parallel.pp_schedule, self.parallel.microbatches)
-        if self.parallel.fsdp:
-            from spectrain.parallel.fsdp import FullyShardedPlan
-
-            return FullyShardedPlan(self.mesh)
         from spectrain.parallel.cp.plan import ContextParallelPlan
 
         return ContextParallelPlan(self.mesh)
@@ -263,10 +264,15 @@ class SpecParallelStrategy(ParallelStrategy):
 
     # parallel.fsdp: sharded policy and draft ---------------------------------------------
     def shard_model(self) -> None:
-        """Under parallel.fsdp: shard the policy and the draft (bf16 compute under Lightning's bf16 precision)."""
+        """Under parallel.fsdp: shard this rank's stage(s) of the policy and the draft where it lives (bf16 compute
+        under Lightning's bf16 precision)."""
         if self.parallel.fsdp:
+            from spectrain.parallel.fsdp import shard_modules
+
+            module = self.lightning_module
             bf16 = str(getattr(self.precision_plugin, "precision", "32-true")).startswith("bf16")
-            self.plan.shard_modules(self.lightning_module, torch.bfloat16 if bf16 else None)
+            shard_modules(self.plan, module.policy, module.draft.model if module.draft is not None else None,
+                          getattr(module, "reference", None), torch.bfloat16 if bf16 else None)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

@@ -97,7 +97,6 @@ class EngineRollout:
     """What one engine generated for its share of a rollout (prompt indices already global)."""
 
     completions: list[Completion]
-    rewards: list[float]
     spec: SpecDecodeCounters
     load: LoadStats
     seconds: float
@@ -108,7 +107,6 @@ class GatheredRollout:
     """Every engine's share, put together: the rollout as one engine would have returned it."""
 
     completions: list[Completion]
-    rewards: list[float]
     spec: SpecDecodeCounters  # summed over the engines (each counted once, by its leader)
     load: LoadStats  # preemptions summed; the peaks are the largest engine's
     seconds: float  # the slowest engine's: the rollout is done when every engine is
@@ -121,6 +119,6 @@ def merge(parts: list[EngineRollout]) -> GatheredRollout:
         spec = spec + part.spec
     load = LoadStats(sum(p.load.preemptions for p in parts), max(p.load.max_running for p in parts),
                      max(p.load.max_waiting for p in parts))
-    return GatheredRollout([c for p in parts for c in p.completions], [r for p in parts for r in p.rewards], spec,
+    return GatheredRollout([c for p in parts for c in p.completions], spec,
                            load, max(p.seconds for p in parts),
                            [p.spec.mean_acceptance_length for p in parts if p.completions])

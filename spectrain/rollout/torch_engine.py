@@ -24,7 +24,7 @@ import torch
 
 from spectrain.errors import RolloutEngineError
 from spectrain.models.hf_io import load_pretrained
-from spectrain.models.llama import pack_sequences
+from spectrain.models.llama import LlamaForCausalLM, pack_sequences
 from spectrain.rollout.engine import (
     Completion,
     LoadStats,
@@ -107,7 +107,8 @@ class TorchSamplingEngine:
         if not (self.policy_dir / "config.json").is_file():
             raise RolloutEngineError(f"{policy_dir} has no config.json: export the policy first "
                                      f"(save_pretrained) or fix the path")
-        self.policy = load_pretrained(policy_dir, getattr(torch, dtype), self.device).eval().requires_grad_(False)
+        self.policy: LlamaForCausalLM | None = load_pretrained(
+            policy_dir, getattr(torch, dtype), self.device).eval().requires_grad_(False)  # None after shutdown
         if attention_ops is not None:  # the trainer's `policy.attention_backend`
             self.policy.attention_ops = attention_ops
         if eos_token_ids is None:
@@ -149,7 +150,8 @@ class TorchSamplingEngine:
                 sequences.append(sequence)
                 if c.seed is not None:
                     generators[id(sequence)] = torch.Generator(self.device).manual_seed(c.seed + j)
-        waiting, running = deque(sequences), []
+        waiting = deque(sequences)
+        running: list[_Sequence] = []
         while waiting or running:
             while waiting and len(running) < self.max_num_seqs:
                 running.append(waiting.popleft())
@@ -168,8 +170,14 @@ class TorchSamplingEngine:
     def next_token_logits(self, sequences: list[list[int]]) -> torch.Tensor:
         """Float32 logits `[B, V]` at the last position of each sequence, from one packed forward."""
         input_ids, position_ids, cu_seqlens = pack_sequences(sequences, device=self.device)
-        hidden = self.policy(input_ids, position_ids, cu_seqlens, compute_logits=False).hidden
-        return self.policy.lm_head(hidden[cu_seqlens[1:].long() - 1]).float()
+        policy = self._live_policy()
+        hidden = policy(input_ids, position_ids, cu_seqlens, compute_logits=False).hidden
+        return policy.lm_head(hidden[cu_seqlens[1:].long() - 1]).float()
+
+    def _live_policy(self) -> LlamaForCausalLM:
+        if self.policy is None:
+            raise RolloutEngineError("the rollout engine was shut down")
+        return self.policy
 
     @staticmethod
     def _hide_stops(logits: torch.Tensor, rows: torch.Tensor, stops: set[int]) -> torch.Tensor:
@@ -184,7 +192,7 @@ class TorchSamplingEngine:
     # weight sync ----------------------------------------------------------------------
     def _parameters(self) -> dict[str, torch.nn.Parameter]:
         """The checkpoint names the trainer sends (a tied head is the embedding's: `lm_head.weight` absent)."""
-        return dict(self.policy.named_parameters())
+        return dict(self._live_policy().named_parameters())
 
     @torch.no_grad()
     def sync_policy(self, weights: NamedTensors, version: int) -> None:

@@ -69,7 +69,9 @@ class ArithmeticTask:
     @property
     def max_target_chars(self) -> int:
         """Longest target in characters, to size generation limits (`max_tokens`)."""
-        return len(self.example([10**self.digits - 1] * self.operands).target)
+        target = self.example([10**self.digits - 1] * self.operands).target
+        assert target is not None  # example() always writes the worked target
+        return len(target)
 
     def _worked(self, numbers: Sequence[int]) -> str:
         steps, carry = [], 0

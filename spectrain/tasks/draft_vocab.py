@@ -46,8 +46,8 @@ def completion_token_ids(source, tokenizer) -> list[list[int]]:
 def token_counts(token_id_lists: Iterable[Sequence[int]], vocab_size: int) -> torch.Tensor:
     """How often each target id occurs in `token_id_lists` (float64 [V])."""
     counts = torch.zeros(vocab_size, dtype=torch.float64)
-    for ids in token_id_lists:
-        ids = torch.as_tensor(list(ids), dtype=torch.long)
+    for token_ids in token_id_lists:
+        ids = torch.as_tensor(list(token_ids), dtype=torch.long)
         if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < vocab_size:
             raise ValueError(f"token ids {int(ids.min())}..{int(ids.max())} are outside the "
                              f"vocabulary 0..{vocab_size - 1}: tokenizer and vocab_size disagree")

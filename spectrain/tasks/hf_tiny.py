@@ -25,6 +25,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -38,8 +39,9 @@ SEED = 0
 TRAIN_ROWS, VAL_ROWS = 2000, 200
 TOKENIZER_VOCAB = 512
 DRAFT_VOCAB = 256
-POLICY = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-              intermediate_size=384, max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=False)
+POLICY: dict[str, Any] = dict(
+    hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    intermediate_size=384, max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=False)
 _DONE = "DONE"
 
 
@@ -141,7 +143,9 @@ _TEMPLATES: list[Callable[[random.Random, str, str], tuple[str, str, int]]] = [
 
 def word_problems(n: int, seed: int) -> list[dict]:
     """`n` distinct GSM8K-format rows: `question`, and `answer` ending in `#### <integer>`."""
-    r, rows, seen = random.Random(seed), [], set()
+    r = random.Random(seed)
+    rows: list[dict] = []
+    seen: set[str] = set()
     while len(rows) < n:
         question, solution, result = r.choice(_TEMPLATES)(r, r.choice(_NAMES), r.choice(_ITEMS))
         if question not in seen:
@@ -169,8 +173,8 @@ def write_random_qwen3(policy_dir: Path, seed: int):
     from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
-    end_of_turn, end_of_text = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
-    ids = dict(bos_token_id=end_of_text, eos_token_id=end_of_turn, pad_token_id=end_of_text)
+    end_of_turn, end_of_text = (tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>"))
+    ids: dict[str, Any] = dict(bos_token_id=end_of_text, eos_token_id=end_of_turn, pad_token_id=end_of_text)
     config = Qwen3Config(vocab_size=-(-len(tokenizer) // 64) * 64, **POLICY, **ids)
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config)

@@ -185,20 +185,21 @@ class _RewardTimeout(Exception):
 def _call_with_timeout(call: Callable[[], object], timeout_s: float) -> object:
     """`call()`, or `_RewardTimeout` past `timeout_s`; on a daemon thread, so a hung call cannot block the exit."""
     outcome: dict[str, object] = {}
+    errors: list[BaseException] = []
 
     def run() -> None:
         try:
             outcome["result"] = call()
         except BaseException as err:  # re-raised on the caller's thread
-            outcome["error"] = err
+            errors.append(err)
 
     thread = threading.Thread(target=run, name="spectrain-reward", daemon=True)
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
         raise _RewardTimeout
-    if "error" in outcome:
-        raise outcome["error"]
+    if errors:
+        raise errors[0]
     return outcome["result"]
 
 
@@ -230,7 +231,7 @@ def per_sample(reward_fn: RewardFn) -> BatchRewardFn:
 def reward_inputs(samples: Sequence[tuple[int, str, str]], prompts: Sequence | None = None) -> list[RewardInput]:
     """`(prompt index, completion, answer)` rows in rollout order as `RewardInput`s (a group's samples are
     numbered in the order they come); `prompts[i]` is prompt i (empty when not given)."""
-    drawn = collections.Counter()
+    drawn: collections.Counter[int] = collections.Counter()
     inputs = []
     for prompt_index, completion, answer in samples:
         prompt = prompts[prompt_index] if prompts is not None else ""

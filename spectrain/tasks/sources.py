@@ -100,7 +100,10 @@ class FilePrompts:
 
     def _load(self, path: Path, on_bad_row: OnBadRow) -> list[tuple[str, Example]]:
         """One file's `(where, example)` rows; bad rows are skipped (counted) or fatal per `on_bad_row`."""
-        examples, bad, found, first_row = [], [], set(), None
+        examples: list[tuple[str, Example]] = []
+        bad: list[str] = []
+        found: set[str] = set()
+        first_row = None
         for where, row in _read_rows(path):
             first_row = row if first_row is None and isinstance(row, dict) else first_row
             try:
@@ -278,7 +281,7 @@ def _key_paths(row: dict, prefix: str = "") -> list[str]:
     return paths
 
 
-def _check_prompt(key: str, value: object) -> Prompt:
+def _check_prompt(key: str, value: object) -> str | tuple[dict[str, str], ...]:
     """A string, or chat messages as a tuple of `{role, content}` dicts (a tuple: examples are frozen)."""
     if isinstance(value, list):
         if value and all(isinstance(m, dict) and isinstance(m.get("role"), str)

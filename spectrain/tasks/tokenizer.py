@@ -72,11 +72,17 @@ def _write_json(path: Path, obj: dict) -> None:
 class PromptTokenizer(Protocol):
     """The trainer's view of a tokenizer; its ids must equal the ones vLLM computes for the same prompt."""
 
-    vocab_size: int
     pad_id: int
-    bos_id: int | None  # None for tokenizers without BOS (Qwen)
     eos_id: int  # ends SFT targets
     stop_ids: list[int]  # every id that ends a completion (eos first)
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def bos_id(self) -> int | None:
+        """None for tokenizers without BOS (Qwen)."""
+        ...
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """The `prompt_token_ids` vLLM gets: chat template and special tokens included."""

@@ -53,6 +53,7 @@ def draft_loss(draft: Eagle3Draft, chunks: Sequence[DraftInputs], ttt_passes: in
         loss, m = chunk_loss(draft, chunk, ttt_passes, pass_decay, loss_kernel)
         total = loss if total is None else total + loss
         metrics = add_metrics(metrics, m)
+    assert total is not None and metrics is not None  # there is a chunk
     return total, metrics
 
 
@@ -92,8 +93,11 @@ class DraftGradients:
         """Sum the shares over ranks, then clip and step, or skip a non-finite update (gradients dropped: the draft
         and its optimizer state stay as they were). A rank without chunks (e.g. an early PP stage) adds zeros of
         `share_dtype`, so every rank runs the same collectives and takes the same decision."""
-        hosts = self.loss is not None
-        loss, metrics = (self.loss, self.metrics) if hosts else _zero_share(self.ttt_passes, share_dtype)
+        hosts = self.loss is not None and self.metrics is not None  # set together by `add`
+        if self.loss is not None and self.metrics is not None:
+            loss, metrics = self.loss, self.metrics
+        else:
+            loss, metrics = _zero_share(self.ttt_passes, share_dtype)
         total = sum_over_ranks(loss.clone())
         metrics = TTTMetrics(*(sum_over_ranks(t.detach()) for t in (metrics.loss_sum, metrics.correct, metrics.count)))
         applied, grad_norm = math.isfinite(total.item()), math.nan

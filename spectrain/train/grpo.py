@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spectrain.config.schema import KL_ESTIMATORS, LOSS_AGG_MODES, LR_SCHEDULERS  # noqa: F401 (re-exported)
+from spectrain.config.schema import KL_LOSS_TYPES, LOSS_AGG_MODES, LR_SCHEDULERS  # noqa: F401 (re-exported)
 from spectrain.ops.chunked_logprobs import dense_token_logprobs as token_logprobs  # noqa: F401 (the dense path)
 
 
@@ -55,7 +55,7 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
     if estimator == "low_var_kl":
         delta = delta.clamp(-20.0, 20.0)
         return (torch.exp(delta) - delta - 1.0).clamp(-10.0, 10.0)
-    raise ValueError(f"kl estimator {estimator!r} is not one of {list(KL_ESTIMATORS)}")
+    raise ValueError(f"kl estimator {estimator!r} is not one of {list(KL_LOSS_TYPES)}")
 
 
 def lr_lambda(scheduler: str, warmup_steps: int, total_steps: int):
@@ -92,22 +92,22 @@ def grpo_loss(
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    clip_eps: float = 0.2,
+    clip_ratio: float = 0.2,
     ref_logprobs: torch.Tensor | None = None,
-    kl_beta: float = 0.0,
+    kl_loss_coef: float = 0.0,
     num_tokens: int | float | None = None,
     *,
-    clip_eps_low: float | None = None,
-    clip_eps_high: float | None = None,
-    kl_estimator: str = "k3",
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    kl_loss_type: str = "k3",
     loss_agg_mode: str = "token-mean",
     response_lengths: torch.Tensor | None = None,
     num_seqs: int | float | None = None,
 ) -> GRPOLossOutput:
     """Token-level `-min(rho A, clip(rho, 1-eps_low, 1+eps_high) A)` plus `beta * KL(pi || ref)`.
 
-    All inputs are per token `[T]`; `mask` selects response tokens. `clip_eps_low` / `clip_eps_high`
-    (DAPO's clip-higher) default to `clip_eps`. KL is `kl_estimate(..., kl_estimator)` (default k3,
+    All inputs are per token `[T]`; `mask` selects response tokens. `clip_ratio_low` / `clip_ratio_high`
+    (DAPO's clip-higher) default to `clip_ratio`. KL is `kl_estimate(..., kl_loss_type)` (default k3,
     the non-negative `exp(d) - d - 1`, `d = ref - logp`).
 
     `loss_agg_mode` (verl's names) aggregates the per-token loss:
@@ -122,16 +122,16 @@ def grpo_loss(
     mask = mask.to(logprobs.dtype)
     denom = mask.sum() if num_tokens is None else torch.as_tensor(float(num_tokens), dtype=logprobs.dtype)
     denom = denom.clamp_min(1.0)
-    low = clip_eps if clip_eps_low is None else clip_eps_low
-    high = clip_eps if clip_eps_high is None else clip_eps_high
+    low = clip_ratio if clip_ratio_low is None else clip_ratio_low
+    high = clip_ratio if clip_ratio_high is None else clip_ratio_high
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - low, 1.0 + high) * advantages
     per_token = -torch.minimum(unclipped, clipped)
     kl = torch.zeros_like(per_token)
-    if ref_logprobs is not None and kl_beta > 0:
-        kl = kl_estimate(logprobs, ref_logprobs, kl_estimator)
-        per_token = per_token + kl_beta * kl
+    if ref_logprobs is not None and kl_loss_coef > 0:
+        kl = kl_estimate(logprobs, ref_logprobs, kl_loss_type)
+        per_token = per_token + kl_loss_coef * kl
     clip_fraction = ((clipped != unclipped).to(mask.dtype) * mask).sum() / denom
     if loss_agg_mode == "token-mean":
         loss = (per_token * mask).sum() / denom
@@ -139,7 +139,11 @@ def grpo_loss(
         assert response_lengths is not None or num_seqs is not None, (
             f"loss_agg_mode={loss_agg_mode} needs num_seqs (or response_lengths to count whole documents)")
         per_doc = (mask / response_lengths.to(logprobs.dtype).clamp_min(1.0)) if response_lengths is not None else None
-        seqs = per_doc.sum() if num_seqs is None else torch.as_tensor(float(num_seqs), dtype=logprobs.dtype)
+        if num_seqs is not None:
+            seqs = torch.as_tensor(float(num_seqs), dtype=logprobs.dtype)
+        else:
+            assert per_doc is not None  # response_lengths is given (asserted above)
+            seqs = per_doc.sum()
         weights = mask if loss_agg_mode == "seq-mean-token-sum" else per_doc
         assert weights is not None, "loss_agg_mode=seq-mean-token-mean needs response_lengths"
         loss = (per_token * weights).sum() / seqs.clamp_min(1.0)

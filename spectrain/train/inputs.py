@@ -66,10 +66,11 @@ def build_reward_fn(config: SpecTrainConfig):
     from spectrain.tasks.rewards import get_reward_fn
 
     r = config.reward
-    options = {"exact_answer": dict(partial_credit=r.partial_credit),
-               "custom": dict(path=r.path, function=r.function, timeout_s=r.timeout_s)}.get(r.name, {})
+    options: dict[str, dict[str, object]] = {
+        "exact_answer": dict(partial_credit=r.partial_credit),
+        "custom": dict(path=r.path, function=r.function, timeout_s=r.timeout_s)}
     try:
-        return get_reward_fn(r.name, **options)
+        return get_reward_fn(r.name, **options.get(r.name, {}))
     except ValueError as exc:
         message = str(exc)
         raise ConfigError(message if message.startswith("reward.") else f"reward.name: {message}") from exc
@@ -102,9 +103,9 @@ def check_policy_path(config: SpecTrainConfig) -> LlamaConfig | None:
 
 
 def build_policy(config: SpecTrainConfig, tokenizer) -> LlamaForCausalLM:
-    """The pretrained `policy.path` (float32 master weights), or the toy policy sized by `policy.*`."""
-    p = config.policy
-    if p.path is None:
+    """The pretrained `policy.path` (float32 master weights), or the toy policy sized by `toy.*`."""
+    p = config.toy
+    if config.policy.path is None:
         cfg = LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=p.hidden_size,
                           intermediate_size=p.intermediate_size, num_hidden_layers=p.num_hidden_layers,
                           num_attention_heads=p.num_attention_heads, num_key_value_heads=p.num_key_value_heads,
@@ -115,7 +116,7 @@ def build_policy(config: SpecTrainConfig, tokenizer) -> LlamaForCausalLM:
     from spectrain.models.hf_io import load_pretrained
 
     # bf16 runs autocast over float32 master weights
-    policy = load_pretrained(p.path, dtype=torch.float32)  # its errors name policy.path
+    policy = load_pretrained(config.policy.path, dtype=torch.float32)  # its errors name policy.path
     check_vocab(config, policy.cfg.vocab_size, tokenizer.vocab_size)
     return policy
 
@@ -197,6 +198,7 @@ def check_vocab(config: SpecTrainConfig, model_vocab: int, tokenizer_vocab: int)
         raise ConfigError(f"tokenizer.path: the tokenizer has {tokenizer_vocab} tokens but the policy's vocab_size is "
                           f"{model_vocab}: {crash}. Use the checkpoint's own tokenizer (tokenizer.path=null) or one "
                           f"it was trained with")
+    assert config.policy.path is not None  # without tokenizer.path, the tokenizer is the checkpoint's own
     raise ConfigError(f"policy.path: the checkpoint's own tokenizer has {tokenizer_vocab} tokens but its config.json "
                       f"says vocab_size={model_vocab}: {crash}, so the checkpoint is inconsistent. Fix vocab_size in "
                       f"{Path(config.policy.path) / 'config.json'}, or set tokenizer.path to the tokenizer the model "
@@ -211,12 +213,12 @@ def check_context(config: SpecTrainConfig, pretrained: LlamaConfig) -> None:
 
 
 def policy_architecture(config: SpecTrainConfig) -> LlamaConfig:
-    """`policy.path`'s config.json (no weights are read), or the toy policy `policy.*` would build."""
-    p = config.policy
-    if p.path is not None:
+    """`policy.path`'s config.json (no weights are read), or the toy policy `toy.*` would build."""
+    p = config.toy
+    if config.policy.path is not None:
         from spectrain.models.hf_config import load_config
 
-        return load_config(p.path)
+        return load_config(config.policy.path)
     return LlamaConfig(vocab_size=build_tokenizer(config).vocab_size, hidden_size=p.hidden_size,
                        intermediate_size=p.intermediate_size, num_hidden_layers=p.num_hidden_layers,
                        num_attention_heads=p.num_attention_heads, num_key_value_heads=p.num_key_value_heads,
@@ -230,6 +232,7 @@ def check_draft_path(config: SpecTrainConfig, pretrained: LlamaConfig | None) ->
     d = config.draft
     if d.mode == "none" or d.init != "path":
         return
+    assert d.path is not None  # validated: draft.init=path needs draft.path
     from spectrain.models.eagle3 import check_draft_weights, read_draft_config
 
     with warnings.catch_warnings():  # a missing eagle_config is reported once, when the draft loads

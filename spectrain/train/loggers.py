@@ -73,13 +73,13 @@ def build_loggers(config: SpecTrainConfig, run_dir: Path, rank_zero: bool = True
     unless MLFLOW_TRACKING_URI names a server). wandb and MLflow runs are named `trainer.project_name` /
     `trainer.experiment_name` (default: the run directory's name); a resumed run directory continues the same
     wandb / MLflow run (`logger_ids.json`)."""
-    from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.loggers import CSVLogger, Logger
 
     t = config.trainer
     run_name = t.experiment_name or Path(run_dir).resolve().name
     ids_path = Path(run_dir) / IDS_FILE
     ids = json.loads(ids_path.read_text()) if ids_path.is_file() else {}
-    loggers = []
+    loggers: list[Logger] = []
     for name in check_loggers(config):
         if name == "csv":
             # one version_N folder per (resumed) segment: Lightning rewrites a CSV whose columns change. Rows are

@@ -14,7 +14,7 @@ H hidden, Q = heads x head_dim, K = kv_heads x head_dim, I intermediate, V vocab
 
 Training state, AdamW over float32 master weights (also under `policy.dtype=bfloat16`: Lightning's
 bf16-mixed): parameters 4P/S, gradients 4P/S, optimizer state 8P/S (two float32 moments). The KL reference
-(`grpo.kl_beta > 0`) is a frozen float32 copy, sharded like the policy: 4P/S. The draft (`Eagle3Config`):
+(`grpo.kl_loss_coef > 0`) is a frozen float32 copy, sharded like the policy: 4P/S. The draft (`Eagle3Config`):
 fc 3H x H, one decoder layer whose q/k/v read 2H inputs, 4 RMSNorms, lm_head H x Vd (the embedding is the
 policy's, frozen): 16 bytes a parameter co-trained (weights, gradients, two moments), 4 frozen, over S.
 
@@ -60,9 +60,9 @@ activations, logits and gathered weights, so only what they need beyond those is
 the freed activations").
 
 Tokens per micro-batch per rank: `grpo.micro_batch_tokens` if set (whole documents: at least one document's
-share ceil(doc / cp), at most the minibatch), else the whole minibatch per rank: ceil(prompts_per_step x
-group_size / grpo.minibatches / dp) documents x doc / cp tokens, every document at its longest, doc =
-(data.max_prompt_length, else rollout.max_model_len - rollout.max_new_tokens) + rollout.max_new_tokens.
+share ceil(doc / cp), at most the minibatch), else the whole minibatch per rank: ceil(rollout.prompts_per_step x
+rollout.n / grpo.minibatches / dp) documents x doc / cp tokens, every document at its longest, doc =
+(data.max_prompt_length, else rollout.max_model_len - rollout.response_length) + rollout.response_length.
 Under pp a rank holds its stages' layers for the whole micro-batch (GPipe's bound; 1F1B holds less), and the
 plan is the pipeline rank with the largest total.
 
@@ -342,14 +342,14 @@ def draft_update_bytes(d: Eagle3Config, p: Precision, tokens: int, passes: int) 
 def document_tokens(config: SpecTrainConfig) -> int:
     """The longest document: the longest prompt plus a full completion."""
     r = config.rollout
-    prompt = config.data.max_prompt_length or r.max_model_len - r.max_new_tokens
-    return prompt + r.max_new_tokens
+    prompt = config.data.max_prompt_length or r.max_model_len - r.response_length
+    return prompt + r.response_length
 
 
 def minibatch_tokens_per_rank(config: SpecTrainConfig) -> int:
     """One update's documents on one data-parallel rank, split over the context-parallel ranks."""
     r, par = config.rollout, config.parallel
-    documents = math.ceil(r.prompts_per_step * r.group_size / config.grpo.minibatches / par.dp)
+    documents = math.ceil(r.prompts_per_step * r.n / config.grpo.minibatches / par.dp)
     return math.ceil(documents * document_tokens(config) / par.cp)
 
 
@@ -390,7 +390,7 @@ def plan_inputs(config: SpecTrainConfig, policy: LlamaConfig, draft: Eagle3Confi
         policy=policy, draft=draft if share.head else None, draft_trained=config.draft.mode == "cotrained",
         share=share, shards=par.dp * par.cp if par.fsdp else 1, fsdp=par.fsdp, precision=precision(config),
         tokens=micro_batch_tokens(config), minibatch_tokens=minibatch_tokens_per_rank(config),
-        checkpointing=config.policy.activation_checkpointing, reference=config.grpo.kl_beta > 0,
+        checkpointing=config.policy.activation_checkpointing, reference=config.grpo.kl_loss_coef > 0,
         ttt_passes=config.draft.ttt_passes, engine=engine, engine_note=note, gpu_memory=gpu_memory)
 
 
@@ -408,6 +408,8 @@ def gathered_bytes(x: PlanInputs) -> int:
 def draft_gathered_bytes(x: PlanInputs) -> int:
     """During the draft update: FSDP gathers the draft and its gradients in the compute dtype; without FSDP,
     autocast caches a bf16 copy of its weights."""
+    if x.draft is None:
+        return 0
     if x.fsdp:
         return 2 * x.precision.compute * draft_parameters(x.draft)
     return 2 * draft_parameters(x.draft) if x.precision.compute == 2 else 0
@@ -434,11 +436,11 @@ def plan_memory(x: PlanInputs) -> MemoryPlan:
     layers_backward = layers_backward_bytes(cfg, p, t, x.checkpointing)
     logits = logits_bytes(cfg, t, layers_backward) if x.share.head else 0
     gathered = gathered_bytes(x)
-    trained = x.draft is not None and x.draft_trained
-    draft_inputs = draft_input_bytes(x.draft, p, t) if trained else 0
+    trained_draft = x.draft if x.draft_trained else None
+    draft_inputs = draft_input_bytes(trained_draft, p, t) if trained_draft is not None else 0
     draft_update = 0
-    if trained:  # counted only beyond what the policy backward freed before it
-        draft_phase = draft_update_bytes(x.draft, p, t, x.ttt_passes) + draft_gathered_bytes(x)
+    if trained_draft is not None:  # counted only beyond what the policy backward freed before it
+        draft_phase = draft_update_bytes(trained_draft, p, t, x.ttt_passes) + draft_gathered_bytes(x)
         draft_update = max(0, draft_phase - (activations + logits + gathered))
     weights = _sharded(FP32, params, x.shards)
     return MemoryPlan(
@@ -454,6 +456,7 @@ def draft_architecture(config: SpecTrainConfig, policy: LlamaConfig) -> Eagle3Co
     if d.mode == "none":
         return None
     if d.init == "path":
+        assert d.path is not None  # validated: draft.init=path needs draft.path
         return read_draft_config(d.path, policy)
     try:
         return Eagle3Config.from_policy(policy, draft_vocab_size=d.draft_vocab_size,
@@ -541,7 +544,7 @@ def _checkpointing(config: SpecTrainConfig, policy: LlamaConfig, gpu_memory: int
 
 def _shard(config: SpecTrainConfig, policy: LlamaConfig, gpu_memory: int) -> Overrides | None:
     par = config.parallel
-    return None if par.fsdp or par.pp > 1 or par.dp * par.cp == 1 else {"parallel.fsdp": True}
+    return None if par.fsdp or par.dp * par.cp == 1 else {"parallel.fsdp": True}  # under pp: each stage sharded
 
 
 def _more_ranks(config: SpecTrainConfig, policy: LlamaConfig, gpu_memory: int) -> Overrides | None:
@@ -551,7 +554,7 @@ def _more_ranks(config: SpecTrainConfig, policy: LlamaConfig, gpu_memory: int) -
         return None
     dp = par.dp * 2
     while dp <= MAX_SUGGESTED_DP:
-        overrides = {"parallel.dp": dp, "parallel.fsdp": True}
+        overrides: Overrides = {"parallel.dp": dp, "parallel.fsdp": True}
         if _fits(config, policy, gpu_memory, overrides):
             return overrides
         dp *= 2
@@ -559,14 +562,15 @@ def _more_ranks(config: SpecTrainConfig, policy: LlamaConfig, gpu_memory: int) -
 
 
 def _more_stages(config: SpecTrainConfig, policy: LlamaConfig, gpu_memory: int) -> Overrides | None:
-    """Under pp (which FSDP does not compose with here): the fewest pipeline ranks that split the state enough."""
+    """Under pp: the fewest pipeline ranks that split the state enough."""
     par = config.parallel
     if par.pp == 1:
         return None
     stages_per_rank = PP_STAGES_PER_RANK[par.pp_schedule]
     for pp in range(par.pp + 1, policy.num_hidden_layers // stages_per_rank + 1):
         enough = math.ceil(max(par.microbatches, pp * stages_per_rank) / pp) * pp  # 1F1B: a microbatch per stage
-        for overrides in ({"parallel.pp": pp}, {"parallel.pp": pp, "parallel.microbatches": enough}):
+        candidates: tuple[Overrides, ...] = ({"parallel.pp": pp}, {"parallel.pp": pp, "parallel.microbatches": enough})
+        for overrides in candidates:
             if _fits(config, policy, gpu_memory, overrides):
                 return overrides
     return None
@@ -697,15 +701,15 @@ def _notes(plan: MemoryPlan) -> dict[str, str]:
     return {
         "parameters": f"4 B x {params} / {s}", "gradients": f"4 B x {params} / {s}",
         "optimizer": f"8 B x {params} / {s}", "gathered": _gathered_note(x),
-        "reference": f"4 B x {params} / {s}" if x.reference else "none (grpo.kl_beta=0)",
+        "reference": f"4 B x {params} / {s}" if x.reference else "none (grpo.kl_loss_coef=0)",
         "draft": "none" if d is None else f"{16 if x.draft_trained else 4} B x {_count(draft_parameters(d))} / {s}",
         "activations": _activations_note(x),
         "logits": "none" if not plan.logits else f"{min(x.tokens, LOGITS_CHUNK_TOKENS)} tokens x {x.policy.vocab_size}"
         f" x 8 B less the layers' backward, + lm_head grad {x.policy.vocab_size} x {x.policy.hidden_size} x 4 B",
-        "draft_inputs": "none" if not plan.draft_inputs else
+        "draft_inputs": "none" if d is None or not plan.draft_inputs else
         f"{x.tokens} tokens x ({len(d.tap_layers) + 1} x {d.target_hidden_size} x {x.precision.residual} B"
         f" + {d.draft_vocab_size} x 4 + 8 B)",
-        "draft_update": "none" if not plan.draft_inputs else
+        "draft_update": "none" if d is None or not plan.draft_inputs else
         f"{x.tokens} tokens x {draft_unroll_bytes(d, x.precision, x.ttt_passes) + draft_pass_bytes(d, x.precision)} B"
         f" ({x.ttt_passes} passes), less what the policy backward freed",
         "engine": x.engine_note, "reserved": "fixed",

@@ -1,21 +1,22 @@
 """`GRPOModule`: one GRPO step per batch of prompts, with manual optimization.
 
-Each `training_step` rolls out `group_size` samples per prompt on the live engine, scores
-them, computes group advantages, and makes `grpo.minibatches` x `grpo.epochs` clipped
-updates of the policy, each in micro-batches of at most `grpo.micro_batch_tokens` tokens.
-The first epoch's micro-batch forwards also capture the draft's taps and hand them at once
-to the callbacks that train the draft (`on_draft_taps`: `DraftCoTraining`, which owns the
-draft's optimizer, backpropagates each and steps it at the end of the step), and
-`WeightSync` pushes both models to the engine afterwards.
+`training_step` is the whole step, phase by phase (`spectrain.train.step.PHASES`): the rollout
+(`rollout.n` samples per prompt on the live engines), the rewards, the group advantages, the policy
+updates (`grpo.minibatches` x `grpo.ppo_epochs` clipped updates, each in micro-batches of at most
+`grpo.micro_batch_tokens` tokens, whose first-epoch forwards hand the draft's taps to the draft
+updater), the draft update, and the weight sync. Each phase is one call, timed, and its result goes
+into the step's `StepResult`. The draft update and the weight sync are callbacks' (`DraftUpdater`,
+`WeightSyncer`: `DraftCoTraining` and `WeightSync` by default), called at those points of the step.
+The draft and all of its state are `self.draft`, an `OnlineDraft`.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
 import math
-import time
 import zlib
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
+from typing import TYPE_CHECKING, cast
 
 import lightning as L
 import torch
@@ -23,10 +24,10 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from spectrain.batch import RolloutBatch, build_rollout_batch
-from spectrain.callbacks.draft_cotraining import DraftCoTraining, migrate_draft_optimizer
 from spectrain.config import SpecTrainConfig
 from spectrain.config.schema import uses_step_loop
-from spectrain.errors import NonFiniteError
+from spectrain.errors import NonFiniteError, SpecTrainError
+from spectrain.models.eagle3 import Eagle3Draft
 from spectrain.models.llama import LlamaForCausalLM, apply_activation_checkpointing
 from spectrain.parallel.plan import DraftInputs, LocalPlan, TrainPlan, ttt_valid_tokens
 from spectrain.rollout.engine import Completion, LoadStats, RolloutEngine, Sampling, SamplingConfig, SpecDecodeCounters
@@ -37,38 +38,20 @@ from spectrain.rollout.step_loop import EngineLockstep
 from spectrain.tasks.rewards import reward_inputs, reward_name, score_batch
 from spectrain.train.draft_update import DraftUpdate, warn_if_skipped
 from spectrain.train.grpo import group_advantages, grpo_loss, lr_lambda, minibatch_documents, overlong_penalty
+from spectrain.train.online_draft import DraftTraining, OnlineDraft
+from spectrain.train.step import (
+    DraftReport,
+    PolicyReport,
+    RolloutStats,
+    StepCallbacks,
+    StepResult,
+    SyncReport,
+    bind_step_callbacks,
+    timed,
+)
 
-
-@dataclass
-class RolloutStats:
-    seconds: float
-    num_sequences: int
-    num_tokens: int
-    spec: SpecDecodeCounters  # this rollout's delta of the engines' counters, summed over the engines
-    load: LoadStats  # preemptions and peak running/waiting sequences during this rollout
-    per_engine_acceptance: list[float] = field(default_factory=list)  # each engine's acceptance length, in order
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.num_tokens / self.seconds if self.seconds > 0 else 0.0
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one GRPO step did: what was generated, rewarded, trained and measured. Every callback gets it as
-    `outputs["step"]` in `on_train_batch_end`; it is all an observer callback may read (docs/dev/contracts.md).
-    The same on every rank."""
-
-    step: int  # the step, counted from 1 (as trainer.max_steps counts)
-    rollout: RolloutStats  # generation: seconds, sequences, tokens, spec-decode counters, engine load
-    rewards: torch.Tensor  # [N] float32, one per completion
-    batch: RolloutBatch  # the packed rollout the updates trained on (advantages included)
-    updates: int  # policy optimizer steps taken (grpo.minibatches x grpo.epochs)
-    policy_loss: float  # mean over the updates
-    grad_norm: float  # mean over the updates, before clipping
-    clip_fraction: float
-    kl: float
-    engine_logprob_diff: float  # mean |trainer - engine| logprob of the rollout's tokens before the first update
+if TYPE_CHECKING:
+    from spectrain.rollout.vllm.engine import VLLMRolloutEngine
 
 
 def sampling_config(config: SpecTrainConfig, tokenizer, n: int, greedy: bool = False) -> SamplingConfig:
@@ -78,34 +61,37 @@ def sampling_config(config: SpecTrainConfig, tokenizer, n: int, greedy: bool = F
     # no seed here: `GRPOModule.rollout` seeds each prompt's request (`seeded_configs`)
     # the engine stops at the model's EOS by itself; a chat model's other stop ids (e.g. end of turn) ride along
     stops = tuple(i for i in tokenizer.stop_ids if i != tokenizer.eos_id)
-    return SamplingConfig(n=n, max_tokens=r.max_new_tokens, temperature=0.0 if greedy else r.temperature,
+    return SamplingConfig(n=n, max_tokens=r.response_length, temperature=0.0 if greedy else r.temperature,
                           top_p=r.top_p, stop_token_ids=stops)
 
 
 class GRPOModule(L.LightningModule):
-    """One GRPO step per batch of prompts (`training_step`), with the draft's taps for `DraftCoTraining`.
-    `reward_fn` scores a rollout in one call: `(list[RewardInput]) -> one float per sample`
+    """One GRPO step per batch of prompts (`training_step`). `draft` is the EAGLE-3 draft model (or None), which
+    the module hands to its owner (`OnlineDraft`, with `draft_optimizer_state`: the offline warm-up's AdamW state
+    to continue from). `reward_fn` scores a rollout in one call: `(list[RewardInput]) -> one float per sample`
     (`spectrain.tasks.rewards.per_sample` wraps a `(completion, answer) -> float`)."""
 
-    def __init__(self, config: SpecTrainConfig, policy: LlamaForCausalLM, draft: torch.nn.Module | None,
-                 tokenizer, reward_fn, reward: str | None = None, engine: RolloutEngine | None = None) -> None:
+    def __init__(self, config: SpecTrainConfig, policy: LlamaForCausalLM, draft: Eagle3Draft | None,
+                 tokenizer, reward_fn, reward: str | None = None, engine: RolloutEngine | None = None,
+                 draft_optimizer_state: dict | None = None) -> None:
         super().__init__()
         self.config = config
         apply_activation_checkpointing(policy, config.policy.activation_checkpointing)
         policy.logprob_chunk_tokens = config.policy.logprob_chunk_tokens
         self.policy = policy
-        self.draft = draft
+        self.draft = (OnlineDraft(draft, DraftTraining.from_config(config.draft), draft_optimizer_state)
+                      if draft is not None else None)
         self.tokenizer = tokenizer
         self.reward_fn = reward_fn
         r = config.reward  # how errors name the reward: the configured one, or `reward` (a subclass's hook)
         self.reward_name = reward or reward_name(r.name, r.path, r.function)
         self.automatic_optimization = False
         # KL(policy || warm start) needs the warm start frozen beside the policy
-        self.reference = copy.deepcopy(policy).requires_grad_(False) if config.grpo.kl_beta > 0 else None
+        self.reference = copy.deepcopy(policy).requires_grad_(False) if config.grpo.kl_loss_coef > 0 else None
         self.engine = engine  # this rank's engine (None on a rank without one); not checkpointed
         self.engines = EngineLayout.single()  # which ranks serve which prompts (SpecTrainer sets it)
         self.plan: TrainPlan = LocalPlan()  # replaced by SpecParallelStrategy under dp/cp/pp
-        self.tail_taps: list[DraftInputs] = []  # the last step's taps, kept only for long-tail spot updates
+        self.step_callbacks = StepCallbacks(None, None)  # the draft updater and weight syncer, bound at fit start
         # the step loop, when k adapts per engine step or the long tail trains the draft
         self.stepwise = StepwiseRollouts(config) if uses_step_loop(config) else None
         self._warned_preemption = False
@@ -113,16 +99,20 @@ class GRPOModule(L.LightningModule):
     @property
     def tap_layers(self) -> tuple[int, ...]:
         """The draft's own ids: the ones exported to vLLM, so training and inference see the same taps."""
-        return tuple(self.draft.cfg.tap_layers)
+        assert self.draft is not None, "no draft: no taps"
+        return tuple(self.draft.model.cfg.tap_layers)
 
     @property
     def trains_draft(self) -> bool:
         return self.draft is not None and self.config.draft.mode == "cotrained"
 
-    @property
-    def current_step(self) -> int:
-        """The step in flight, counted from 1 as `trainer.max_steps` counts (`global_step` counts finished ones)."""
-        return self.global_step + 1
+    @override
+    def on_fit_start(self) -> None:
+        """Bind the callbacks that run the step's draft update and weight sync; build the draft's optimizer over
+        its parameters as the strategy left them (sharded under FSDP)."""
+        self.step_callbacks = bind_step_callbacks(self.trainer.callbacks)  # type: ignore[attr-defined]  # Lightning's
+        if self.draft is not None and self.trains_draft:
+            self.draft.setup(self.trainer.strategy.optimizer_state)
 
     @property
     def schedules_policy_lr(self) -> bool:
@@ -148,10 +138,6 @@ class GRPOModule(L.LightningModule):
     def policy_lr_scheduler(self):
         return self.lr_schedulers() if self.schedules_policy_lr else None
 
-    def draft_cotraining(self):
-        """The `DraftCoTraining` callback of this run, or None: it owns the draft's optimizer and lr ramp."""
-        return next((c for c in self.trainer.callbacks if isinstance(c, DraftCoTraining)), None)
-
     @property
     def teacher_dtype(self) -> torch.dtype:
         """The dtype of the teacher logits and draft loss (the policy's, at least float32)."""
@@ -170,26 +156,33 @@ class GRPOModule(L.LightningModule):
         from spectrain.models.eagle3 import draft_sync_weights
 
         gather = getattr(self.plan, "draft_weights", None)  # plans without it hold the whole draft on every rank
-        return (gather(self.draft, everywhere=self.engines.ranks_with_engines > 1) if gather is not None
-                else draft_sync_weights(self.draft))
+        return (gather(self.draft.model, everywhere=self.engines.ranks_with_engines > 1) if gather is not None
+                else draft_sync_weights(self.draft.model))
 
     # rollout --------------------------------------------------------------------------
     def sampling_config(self, n: int, greedy: bool = False) -> SamplingConfig:
         return sampling_config(self.config, self.tokenizer, n, greedy)
 
-    def rollout(self, examples, n: int, purpose: str, greedy: bool = False,
-                train_in_tail: bool = False) -> tuple[list[Completion], torch.Tensor, RolloutStats]:
-        """Generate `n` samples per prompt, every engine its share of the prompts (`EngineLayout`), score them,
-        and give every rank the whole rollout. Each prompt's request is seeded from (seed, `purpose`, step, its
-        global index), so the rollout does not depend on how many engines served it.
+    def rollout(self, examples, n: int, purpose: str,
+                greedy: bool = False) -> tuple[list[Completion], torch.Tensor, RolloutStats]:
+        """`generate` and `score` in one: the held-out evaluation and the speedup probe (no draft training)."""
+        completions, stats = self.generate(examples, n, purpose, greedy)
+        where = ("the speedup probe" if purpose == "speedup" else "the held-out evaluation") + \
+            f" after step {self.global_step}"
+        return completions, self.score(examples, completions, where), stats
 
-        `train_in_tail` lets long-tail spot steps train the draft during it: training rollouts only
-        (an evaluation must not change the draft, and runs without gradients); errors name the rollout by it.
-        """
+    def generate(self, examples, n: int, purpose: str, greedy: bool = False,
+                 step: int | None = None) -> tuple[list[Completion], RolloutStats]:
+        """Generate `n` samples per prompt, every engine its share of the prompts (`EngineLayout`), and give every
+        rank the whole rollout. Each prompt's request is seeded from (seed, `purpose`, step, its global index), so
+        the rollout does not depend on how many engines served it.
+
+        `step` (training rollouts only: an evaluation must not change the draft) lets long-tail spot updates train
+        the draft during it."""
         share = self.engines.prompt_range(len(examples))
         local = None
         if self.engines.has_engine and not share:  # more engines than prompts (a small held-out set)
-            local = EngineRollout([], [], SpecDecodeCounters(), LoadStats(), 0.0)
+            local = EngineRollout([], SpecDecodeCounters(), LoadStats(), 0.0)
         elif self.engines.has_engine:
             assert self.engine is not None, "no rollout engine attached: use SpecTrainer, or set module.engine"
             prompts = [self.tokenizer.encode_prompt(examples[i].prompt) for i in share]
@@ -197,33 +190,41 @@ class GRPOModule(L.LightningModule):
                                       self.global_step)
             before = self.engine.spec_decode_counters()
             self.engine.take_load_stats()  # from here on: this rollout's
-            started = time.perf_counter()
-            completions = self.generate_rollout(prompts, sampling, train_in_tail)
-            seconds = time.perf_counter() - started
+            seconds: dict[str, float] = {}
+            with timed(seconds, "rollout"):
+                completions = self.generate_rollout(prompts, sampling, step)
             spec = self.engine.spec_decode_counters() - before
-            where = (f"the step-{self.current_step} rollout" if train_in_tail
-                     else f"the held-out evaluation after step {self.global_step}")
             completions = [replace(c, prompt_index=share[c.prompt_index]) for c in completions]  # global indices
-            samples = reward_inputs([(c.prompt_index, self.tokenizer.decode(c.token_ids),
-                                      examples[c.prompt_index].answer) for c in completions],
-                                    [ex.prompt for ex in examples])
-            rewards = score_batch(self.reward_fn, samples, self.reward_name, where)
-            local = EngineRollout(completions, rewards.tolist(), spec, self.engine.take_load_stats(), seconds)
+            local = EngineRollout(completions, spec, self.engine.take_load_stats(), seconds["rollout"])
         whole = merge(self.engines.gather(local))
         stats = RolloutStats(whole.seconds, len(whole.completions), sum(len(c.token_ids) for c in whole.completions),
                              whole.spec, whole.load, whole.per_engine_acceptance)
-        return whole.completions, torch.tensor(whole.rewards, dtype=torch.float32), stats
+        return whole.completions, stats
+
+    def score(self, examples, completions: list[Completion], where: str) -> torch.Tensor:
+        """The rewards of the whole rollout's `completions` ([N] float32) on every rank: each engine's leader
+        scores its own share of the prompts (`where` names the rollout in errors)."""
+        rewards = None
+        if self.engines.is_leader:
+            share = self.engines.prompt_range(len(examples))
+            mine = [c for c in completions if c.prompt_index in share]
+            samples = reward_inputs([(c.prompt_index, self.tokenizer.decode(c.token_ids),
+                                      examples[c.prompt_index].answer) for c in mine],
+                                    [ex.prompt for ex in examples])
+            rewards = score_batch(self.reward_fn, samples, self.reward_name, where).tolist() if mine else []
+        return torch.tensor([r for part in self.engines.gather(rewards) for r in part], dtype=torch.float32)
 
     @torch.no_grad()
     def measure_speedup(self, examples) -> dict[str, float]:
-        """Decodes `examples` (`rollout.group_size` samples each, sampled as in training) twice on the engines: as
+        """Decodes `examples` (`rollout.n` samples each, sampled as in training) twice on the engines: as
         they speculate now and without speculation, in an order that alternates by step (neither always runs second
         on a warmer engine). Both generated-tokens/s (all engines' tokens over the slowest engine's time) and their
         ratio `spec/speedup_estimate`, on every rank."""
         rates = {}
+        engine = self.engine if self.engines.has_engine else None
         for plain in ((False, True) if self.global_step % 2 == 0 else (True, False)):
-            with self.engine.without_speculation() if plain and self.engines.has_engine else contextlib.nullcontext():
-                _, _, stats = self.rollout(examples, self.config.rollout.group_size, "speedup")
+            with engine.without_speculation() if plain and engine is not None else contextlib.nullcontext():
+                _, _, stats = self.rollout(examples, self.config.rollout.n, "speedup")
             rates[plain] = stats.tokens_per_second
         return {"spec/speedup_estimate": rates[False] / rates[True], "spec/probe_tokens_per_s": rates[False],
                 "spec/probe_plain_tokens_per_s": rates[True]}
@@ -240,38 +241,46 @@ class GRPOModule(L.LightningModule):
                 "sampled_reward_se": float(sampled.std() / sampled.numel() ** 0.5)}
 
     # adaptive speculation and long-tail spot updates (spectrain/rollout/speculation/) --------------
-    def generate_rollout(self, prompts: list[list[int]], sampling: Sampling, train_in_tail: bool):
-        """`engine.generate`, or the step loop when `k` adapts per step or the long tail trains the draft."""
+    def generate_rollout(self, prompts: list[list[int]], sampling: Sampling, step: int | None):
+        """`engine.generate`, or the step loop when `k` adapts per step or the long tail trains the draft (in the
+        rollout of GRPO step `step`)."""
+        assert self.engine is not None, "no rollout engine attached: use SpecTrainer, or set module.engine"
         if self.stepwise is None:
             return self.engine.generate(prompts, sampling)
         lockstep = EngineLockstep(self.engines.is_leader) if self.engines.ranks_with_engines > 1 else None
-        return self.stepwise.generate(self.engine, prompts, sampling,
-                                      self.long_tail_trainer() if train_in_tail else None, lockstep)
+        return self.stepwise.generate(cast("VLLMRolloutEngine", self.engine), prompts, sampling,
+                                      self.long_tail_trainer(step) if step is not None else None, lockstep)
 
-    def long_tail_trainer(self) -> LongTailTrainer | None:
+    def long_tail_trainer(self, step: int) -> LongTailTrainer | None:
         """Spot updates of the draft on the previous step's taps; None until there are taps to train on."""
-        lt = self.config.speculation.long_tail
-        cotraining = self.draft_cotraining()
-        if not (lt.enabled and self.trains_draft and self.tail_taps and cotraining is not None):
+        lt, draft = self.config.speculation.long_tail, self.draft
+        if not (lt.enabled and self.trains_draft and draft is not None and draft.tail_taps):
             return None
-        taps = self.tail_taps
 
         def spot_update() -> DraftUpdate:
-            update = cotraining.spot_update(self, taps)
-            warn_if_skipped(update, f"a spot update in the step-{self.current_step} rollout")
+            update = draft.spot_update(self.manual_backward)
+            warn_if_skipped(update, f"a spot update in the step-{step} rollout")
             return update
 
         return LongTailTrainer(LongTailPolicy(lt.threshold, lt.max_updates), spot_update)
 
     @override
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """The draft's state (collective under FSDP: every rank dumps a checkpoint) and the step loop's."""
+        if self.draft is not None:
+            checkpoint["draft"] = self.draft.state_dict()
         state = self.stepwise.state_dict() if self.stepwise is not None else None
         if state:
             checkpoint["speculation_controller"] = state
 
     @override
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        migrate_draft_optimizer(checkpoint)  # before Lightning restores the optimizers and the callbacks
+        if self.draft is not None:
+            if "draft" not in checkpoint:
+                raise SpecTrainError("the checkpoint holds no draft state (written by an older spectrain, or by a run "
+                                     "without a draft): resume it with the version that wrote it, or start a new "
+                                     "run in a new trainer.run_dir")
+            self.draft.load_state_dict(checkpoint["draft"])
         if self.stepwise is not None:
             self.stepwise.load_state_dict(checkpoint.get("speculation_controller"))
 
@@ -286,34 +295,66 @@ class GRPOModule(L.LightningModule):
 
     @override
     def training_step(self, examples, batch_idx):
-        """rollout -> rewards -> advantages -> for each update, for each micro-batch: forward with taps, policy loss,
-        backward, the taps to the draft's hook; then the update's optimizer step. Callbacks then get the
-        `StepResult`: `DraftCoTraining` steps the draft, `WeightSync` syncs both models to the engine."""
-        g = self.config.grpo
-        step_number = self.current_step  # the last update's optimizer step advances `global_step`
+        """One GRPO step, phase by phase (`PHASES`), each timed: the rollout on the engines (which then sleep, with
+        rollout.enable_sleep_mode), its rewards, the group advantages, the policy updates (their first epoch's
+        forwards hand the draft's taps to the draft updater), the draft update, and the weight sync."""
+        step = self.global_step + 1  # the last policy update advances `global_step`
+        seconds: dict[str, float] = {}
         self.seed_sampling("train")
-        completions, rewards, rollout = self.rollout(examples, self.config.rollout.group_size, "train",
-                                                     train_in_tail=True)
+        with timed(seconds, "rollout"):
+            completions, rollout = self.generate(examples, self.config.rollout.n, "train", step=step)
+            self.end_rollout(rollout)
+        with timed(seconds, "rewards"):
+            rewards = self.score(examples, completions, f"the step-{step} rollout")
+        with timed(seconds, "advantages"):
+            batch = self.advantages(completions, rewards, len(examples), step)
+        with timed(seconds, "policy_updates"):
+            policy = self.policy_updates(batch, step)
+        with timed(seconds, "draft_update"):
+            draft = self.update_draft(step)
+        result = StepResult(step, rollout, rewards, batch, policy, draft)
+        with timed(seconds, "weight_sync"):
+            sync = self.sync_weights(result)
+        result = replace(result, sync=sync, seconds=seconds)
+        self.log_step(result, len(examples))
+        return {"loss": torch.tensor(policy.loss), "step": result}
+
+    def end_rollout(self, rollout: RolloutStats) -> None:
+        """The draft's owner keeps the rollout's acceptance; the engine frees its memory for the updates
+        (rollout.enable_sleep_mode; a no-op without it)."""
+        if self.draft is not None:
+            self.draft.observe(rollout.spec)
+        if self.engine is not None:  # None on a rank without an engine
+            self.engine.sleep()
+
+    def advantages(self, completions: list[Completion], rewards: torch.Tensor, prompts: int,
+                   step: int) -> RolloutBatch:
+        """The packed rollout with each completion's group advantage (DAPO's overlong penalty and dynamic sampling
+        where configured)."""
+        g = self.config.grpo
         assert all(len(c.logprobs) == len(c.token_ids) for c in completions), (
             "the rollout engine must return each sampled token's logprob: they are GRPO's old policy")
-        if self.engine is not None:  # None on a rank without an engine
-            self.engine.sleep()  # rollout.enable_sleep_mode: WeightSync wakes it before the sync
         shaped = rewards
         if g.overlong_buffer_len > 0:  # DAPO: the advantages see the penalty; `rewards` (logged) stay the task's
             penalty = overlong_penalty(torch.tensor([len(c.token_ids) for c in completions]),
-                                       self.config.rollout.max_new_tokens, g.overlong_buffer_len,
+                                       self.config.rollout.response_length, g.overlong_buffer_len,
                                        g.overlong_penalty_factor)
             shaped = (rewards.double() + penalty).to(rewards.dtype)
-            self.log("reward/overlong_penalty", float(penalty.mean()), on_step=True, batch_size=len(examples))
-        advantages = group_advantages(shaped, self.config.rollout.group_size, g.adv_eps, g.norm_adv_by_std)
-        keep = self.dynamic_sampling(shaped, len(examples)) if g.dynamic_sampling else None
+            self.log("reward/overlong_penalty", float(penalty.mean()), on_step=True, batch_size=prompts)
+        advantages = group_advantages(shaped, self.config.rollout.n, g.adv_eps, g.norm_adv_by_std_in_grpo)
+        keep = self.dynamic_sampling(shaped, prompts, step) if g.dynamic_sampling else None
         if keep is not None:
             completions, advantages = [completions[i] for i in keep], advantages[keep]
-        batch = build_rollout_batch(completions, advantages).to(self.device)
-        on_taps = self.tap_handler(batch)  # None: no callback trains the draft this step
+        return build_rollout_batch(completions, advantages).to(self.device)
+
+    def policy_updates(self, batch: RolloutBatch, step: int) -> PolicyReport:
+        """`grpo.minibatches` x `grpo.ppo_epochs` clipped updates of the policy on `batch`; the first epoch's
+        forwards feed the draft updater's taps. Then the policy's lr schedule steps, once per GRPO step."""
+        g = self.config.grpo
+        on_taps = self.tap_handler(batch, step)  # None: the draft does not train this step
         generator = torch.Generator().manual_seed(self.config.trainer.seed * 1_000_003 + self.global_step)
         minibatches = min(g.minibatches, batch.num_docs)  # dynamic sampling may leave fewer documents
-        updates = [(epoch, docs) for epoch in range(g.epochs)
+        updates = [(epoch, docs) for epoch in range(g.ppo_epochs)
                    for docs in minibatch_documents(batch.num_docs, minibatches, generator)]
         results, stats = [], []
         policy_opt = self.policy_optimizer()
@@ -321,7 +362,7 @@ class GRPOModule(L.LightningModule):
         for i, (epoch, docs) in enumerate(updates):
             part = batch if len(docs) == batch.num_docs else batch.select(docs)
             # the draft sees every document once, from the first epoch's forwards
-            result, update_stats = self.policy_update(part, on_taps if epoch == 0 else None, i, len(updates))
+            result, update_stats = self.policy_update(part, on_taps if epoch == 0 else None, i, len(updates), step)
             results.append(result)
             stats.append(update_stats)
         first = results[0]  # before any update: the engine served exactly this policy
@@ -331,32 +372,46 @@ class GRPOModule(L.LightningModule):
         # stage has any). clip_fraction and kl are shares normalised by the global token count and the
         # mismatch sums add up, so the sum over ranks is the step's value on every rank (float64 everywhere:
         # one dtype per collective).
-        clip_fraction, kl, diff_sum, diff_count = self.trainer.strategy.reduce(torch.stack([
+        clip_fraction, kl, diff_sum, diff_count = self.sum_over_ranks(torch.stack([
             mean("clip_fraction").double(), mean("kl").double(), mismatch.double().sum(),
-            torch.tensor(mismatch.numel(), dtype=torch.float64, device=mismatch.device)]), reduce_op="sum").tolist()
-        step = StepResult(step_number, rollout, rewards, batch, len(updates), mean("loss").item(),
-                          mean("grad_norm").item(), clip_fraction, kl,
-                          diff_sum / diff_count if diff_count else float("nan"))
+            torch.tensor(mismatch.numel(), dtype=torch.float64, device=mismatch.device)])).tolist()
         scheduler = self.policy_lr_scheduler()
         if scheduler is not None:
             scheduler.step()  # once per GRPO step, after its updates
-        self.log_step(step, len(examples))
-        self.log("policy/lr", lr, on_step=True, batch_size=len(examples))
-        return {"loss": mean("loss"), "step": step}
+        return PolicyReport(len(updates), mean("loss").item(), mean("grad_norm").item(), clip_fraction, kl,
+                            diff_sum / diff_count if diff_count else float("nan"), lr)
 
-    def dynamic_sampling(self, rewards: torch.Tensor, prompts: int) -> list[int] | None:
+    def update_draft(self, step: int) -> DraftReport | None:
+        """The draft updater's update (`DraftCoTraining`), None when the draft does not train this step."""
+        updater = self.step_callbacks.draft_updater
+        return updater.update_draft(self, step) if self.trains_draft and updater is not None else None
+
+    def sync_weights(self, step: StepResult) -> SyncReport | None:
+        """Wake the engines (rollout.enable_sleep_mode), then the weight syncer's verified push (`WeightSync`)."""
+        slept = self.engine.wake_up() if self.engine is not None else False
+        woke = any(self.engines.gather(slept))
+        syncer = self.step_callbacks.weight_syncer
+        return syncer.sync_weights(self, step, woke) if syncer is not None else None
+
+    def sum_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.trainer.strategy.reduce(tensor, reduce_op="sum")
+
+    def max_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.trainer.strategy.reduce(tensor, reduce_op="max")
+
+    def dynamic_sampling(self, rewards: torch.Tensor, prompts: int, step: int) -> list[int] | None:
         """DAPO's dynamic sampling, drop-only (no re-sampling to refill the batch): the completions of the groups
         whose (shaped) rewards are not all equal, None to keep all. A group of equal rewards has zero advantage and
         teaches the policy nothing. When every group is such, the step trains on all of them (zero advantage:
         no policy gradient) with a warning. Validation keeps it to parallel.dp=pp=1 (no per-rank document counts)."""
-        n = self.config.rollout.group_size
+        n = self.config.rollout.n
         groups = rewards.view(-1, n)
         varied = (groups != groups[:, :1]).any(dim=1)
         self.log("rollout/groups_dropped", float((~varied).sum()), on_step=True, batch_size=prompts)
         if varied.all():
             return None
         if not varied.any():
-            rank_zero_warn(f"[spectrain] grpo.dynamic_sampling: every group of the step-{self.current_step} rollout "
+            rank_zero_warn(f"[spectrain] grpo.dynamic_sampling: every group of the step-{step} rollout "
                            f"got equal rewards, so none has an advantage; the step trains on all of them (no policy "
                            f"gradient). Persistent: the task is too easy or too hard for the policy.")
             return None
@@ -365,58 +420,63 @@ class GRPOModule(L.LightningModule):
     def log_step(self, step: StepResult, prompts: int) -> None:
         self.log_dict({
             "reward": step.rewards.mean(),
-            "policy/loss": step.policy_loss,
-            "policy/grad_norm": step.grad_norm,
-            "policy/clip_fraction": step.clip_fraction,
-            "policy/kl": step.kl,
-            "policy/engine_logprob_diff": step.engine_logprob_diff,
+            "policy/loss": step.policy.loss,
+            "policy/grad_norm": step.policy.grad_norm,
+            "policy/clip_fraction": step.policy.clip_fraction,
+            "policy/kl": step.policy.kl,
+            "policy/engine_logprob_diff": step.policy.engine_logprob_diff,
+            "policy/lr": step.policy.lr,
             "rollout/tokens_per_s": step.rollout.tokens_per_second,
             "rollout/seconds": step.rollout.seconds,
             "rollout/mean_response_len": step.batch.num_response_tokens / step.batch.num_docs,
+            **{f"time/{phase}": seconds for phase, seconds in step.seconds.items()},
         }, on_step=True, batch_size=prompts)
         self.log("reward_mean", step.rewards.mean(), prog_bar=True, on_step=True, batch_size=prompts, logger=False)
         if self.stepwise is not None:
             self.log_dict(self.stepwise.metrics, on_step=True, batch_size=1)
-        self.log_rollout_load(step.rollout.load)
+        self.log_rollout_load(step.rollout.load, step.step)
 
-    def log_rollout_load(self, load: LoadStats) -> None:
+    def log_rollout_load(self, load: LoadStats, step: int) -> None:
         """Queueing and preemption in the engine; warns once when it preempts (a KV cache too small)."""
         self.log_dict({"rollout/preemptions": float(load.preemptions), "rollout/max_running": float(load.max_running),
                        "rollout/max_waiting": float(load.max_waiting)}, on_step=True, batch_size=1)
         if load.preemptions and not self._warned_preemption:
             self._warned_preemption = True
             rank_zero_warn(
-                f"[spectrain] vLLM preempted {load.preemptions} sequences in the step-{self.current_step} rollout "
+                f"[spectrain] vLLM preempted {load.preemptions} sequences in the step-{step} rollout "
                 f"(at most {load.max_running} ran at once, {load.max_waiting} waited): its KV cache does not hold "
-                f"rollout.prompts_per_step x rollout.group_size sequences, so it evicts and recomputes them (slow). "
+                f"rollout.prompts_per_step x rollout.n sequences, so it evicts and recomputes them (slow). "
                 f"Raise rollout.kv_cache_gib, or lower rollout.prompts_per_step. Logged per step as "
                 f"rollout/preemptions.")
 
-    def tap_handler(self, batch: RolloutBatch):
-        """What the policy forwards hand each micro-batch's taps to: the callbacks that train the draft this step
-        (`on_draft_taps`, e.g. `DraftCoTraining`), and the long tail's store; None when nobody wants them.
+    def tap_handler(self, batch: RolloutBatch, step: int):
+        """What the policy forwards hand each micro-batch's taps to: the draft updater, when it trains the draft
+        this step (`begin_draft_update`), and the long tail's store; None when neither wants them.
 
         The draft's loss is normalised over the whole rollout, so each micro-batch's share adds up.
         """
-        consumers = [c for c in self.trainer.callbacks
-                     if callable(getattr(c, "wants_draft_taps", None)) and c.wants_draft_taps(self.trainer)]
+        draft = self.draft
+        if draft is None or not self.trains_draft:
+            return None
+        updater = self.step_callbacks.draft_updater
+        trainer = updater if updater is not None and updater.begin_draft_update(self, step) else None
         keep = self.config.speculation.long_tail.enabled
-        self.tail_taps = []
-        if not (self.trains_draft and (consumers or keep)):
+        draft.tail_taps = []
+        if trainer is None and not keep:
             return None
         valid = ttt_valid_tokens(batch)
 
         def on_taps(taps: DraftInputs) -> None:
             taps = replace(taps, num_valid_tokens=valid)
-            for consumer in consumers:
-                consumer.on_draft_taps(self.trainer, self, taps)
+            if trainer is not None:
+                trainer.on_draft_taps(self, taps)
             if keep:  # spot updates in the next rollout's long tail train on them (one process: bounded there)
-                self.tail_taps.append(taps)
+                draft.tail_taps.append(taps)
 
         return on_taps
 
-    def policy_update(self, part: RolloutBatch, on_taps, index: int, count: int):
-        """Update `index` (of the step's `count`): one clipped policy-gradient update on `part` of the rollout.
+    def policy_update(self, part: RolloutBatch, on_taps, index: int, count: int, step: int):
+        """Update `index` (of GRPO step `step`'s `count`): one clipped policy-gradient update on `part` of the rollout.
 
         The plan runs `part` in micro-batches of at most `grpo.micro_batch_tokens` tokens per rank, whose
         gradients accumulate; the loss is normalised by `part`'s token count, so the update is the same as
@@ -434,10 +494,11 @@ class GRPOModule(L.LightningModule):
         shares = {"clip_fraction": torch.tensor(0.0), "kl": torch.tensor(0.0)}  # summed over this rank's chunks
 
         def loss_fn(logprobs: torch.Tensor, local: RolloutBatch):
-            ref = self.reference_logprobs(local) if g.kl_beta > 0 else None
-            out = grpo_loss(logprobs, local.rollout_logprobs, local.advantages, local.response_mask, g.clip_eps,
-                            ref_logprobs=ref, kl_beta=g.kl_beta, num_tokens=num_tokens,
-                            clip_eps_low=g.clip_eps_low, clip_eps_high=g.clip_eps_high, kl_estimator=g.kl_estimator,
+            ref = self.reference_logprobs(local) if g.kl_loss_coef > 0 else None
+            out = grpo_loss(logprobs, local.rollout_logprobs, local.advantages, local.response_mask, g.clip_ratio,
+                            ref_logprobs=ref, kl_loss_coef=g.kl_loss_coef, num_tokens=num_tokens,
+                            clip_ratio_low=g.clip_ratio_low, clip_ratio_high=g.clip_ratio_high,
+                            kl_loss_type=g.kl_loss_type,
                             loss_agg_mode=g.loss_agg_mode, response_lengths=local.response_lengths,
                             num_seqs=num_seqs)
             shares["clip_fraction"] = shares["clip_fraction"] + out.clip_fraction
@@ -448,14 +509,15 @@ class GRPOModule(L.LightningModule):
         opt.zero_grad(set_to_none=True)
         capture = self.tap_layers if on_taps is not None else ()
         result = self.plan.policy_forward_backward(self.policy, part, loss_fn, capture, self.manual_backward, on_taps,
-                                                   g.micro_batch_tokens, self.draft.t2d if capture else None)
+                                                   g.micro_batch_tokens,
+                                                   self.draft.model.t2d if self.draft is not None and capture else None)
         self.plan.reduce_gradients(self.policy)
         grad_norm = self.plan.clip_grad_norm(self.policy, g.grad_clip)
-        self.check_finite_update(float(result.loss), float(grad_norm), index, count)
+        self.check_finite_update(float(result.loss), float(grad_norm), index, count, step)
         (opt if index == count - 1 else opt.optimizer).step()
         return result, {"loss": result.loss.float(), "grad_norm": grad_norm.detach().float(), **shares}
 
-    def check_finite_update(self, loss: float, grad_norm: float, index: int, count: int) -> None:
+    def check_finite_update(self, loss: float, grad_norm: float, index: int, count: int, step: int) -> None:
         """Stop before the optimizer step when the update's loss or gradient norm is NaN/inf: one such step makes
         every weight NaN, which would surface only at the next weight sync.
 
@@ -466,7 +528,7 @@ class GRPOModule(L.LightningModule):
             return
         bf16 = ", bf16 overflow (policy.dtype=float32)" if self.config.policy.dtype == "bfloat16" else ""
         raise NonFiniteError(
-            f"policy update {index + 1} of {count} in step {self.current_step}: the loss ({loss:.4g}) or the gradient "
+            f"policy update {index + 1} of {count} in step {step}: the loss ({loss:.4g}) or the gradient "
             f"norm ({grad_norm:.4g}) is not finite. Stopped before the optimizer step: no weight was changed by it, "
             f"nothing of this step was synced or checkpointed, and the last checkpoint (if any) is intact. Likely "
             f"causes: a learning rate too high (lower grpo.lr), extreme rewards or advantages (check the reward "
@@ -475,5 +537,6 @@ class GRPOModule(L.LightningModule):
     @torch.no_grad()
     def reference_logprobs(self, part: RolloutBatch) -> torch.Tensor:
         """Logprobs of `part`'s targets under the frozen warm-start policy (whole documents: cp=pp=1)."""
+        assert self.reference is not None, "no KL reference: grpo.kl_loss_coef is 0"
         return self.reference(part.input_ids, part.position_ids, part.cu_seqlens, compute_logits=False,
                               logprob_targets=part.targets).logprobs

@@ -25,6 +25,8 @@ class SpecProgressBar(RichProgressBar):
 class PlainProgress(Callback):
     """One line per `every_n_steps` steps (and the last), flushed: what a log file or a CI job shows."""
 
+    runs_after = ("RunHistory",)  # the line shows the step's time
+
     def __init__(self, every_n_steps: int = 1) -> None:
         self.every_n_steps = every_n_steps
 

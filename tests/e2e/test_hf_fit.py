@@ -12,9 +12,9 @@ import torch
 from spectrain.cli import main as cli_main
 from tests.helpers import column, metrics
 
-SHORT = ["trainer.max_steps=2", "trainer.eval_every_n_steps=0", "sft.steps=20", "draft.warmup_steps=5",
-         "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.eval_prompts=8", "rollout.eval_samples=2",
-         "rollout.max_new_tokens=32", "trainer.progress_bar=false"]
+SHORT = ["trainer.max_steps=2", "eval.every_n_steps=0", "sft.steps=20", "draft.warmup_steps=5",
+         "rollout.prompts_per_step=4", "rollout.n=4", "eval.prompts=8", "eval.samples=2",
+         "rollout.response_length=32", "trainer.progress_bar=false"]
 
 
 @pytest.fixture(scope="module")

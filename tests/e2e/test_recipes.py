@@ -25,7 +25,7 @@ from spectrain.tasks.tokenizer import CharTokenizer
 from tests.helpers import TINY, column, metrics
 
 STEPS = 2
-QUICK = [*TINY, f"trainer.max_steps={STEPS}", "trainer.eval_every_n_steps=0"]  # held-out eval before and after only
+QUICK = [*TINY, f"trainer.max_steps={STEPS}", "eval.every_n_steps=0"]  # held-out eval before and after only
 K_MAX = 4  # draft.num_speculative_tokens of tiny_cpu_concurrency and tiny_cpu_bandit
 
 

@@ -16,7 +16,7 @@ from tests.helpers import logged_steps
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 ARGS = ["sft.steps=20", "sft.batch_size=16", "draft.warmup_steps=10", "rollout.prompts_per_step=4",
-        "rollout.group_size=4", "rollout.eval_prompts=4", "rollout.eval_samples=2", "trainer.eval_every_n_steps=2",
+        "rollout.n=4", "eval.prompts=4", "eval.samples=2", "eval.every_n_steps=2",
         "trainer.progress_bar=false", "trainer.checkpoint_every_n_steps=2", "grpo.minibatches=2",
         "trainer.max_steps=4", "trainer.callbacks=[{target: tests.faults.SignalAtStep}]"]
 

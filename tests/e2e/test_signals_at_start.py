@@ -16,7 +16,7 @@ import pytest
 from spectrain.config import load_config
 from spectrain.train.trainer import SpecTrainer
 
-QUICK = ["trainer.progress_bar=false", "draft.warmup_steps=2", "rollout.eval_prompts=4", "rollout.eval_samples=2"]
+QUICK = ["trainer.progress_bar=false", "draft.warmup_steps=2", "eval.prompts=4", "eval.samples=2"]
 
 
 def start(tmp_path: Path, *overrides: str) -> tuple[subprocess.Popen, list[str]]:

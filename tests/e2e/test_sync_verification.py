@@ -19,7 +19,9 @@ from spectrain.rollout.engine import SamplingConfig, SpecDecodeCounters
 from spectrain.rollout.engine_layout import EngineLayout
 from spectrain.rollout.vllm.engine import VLLMRolloutEngine
 from spectrain.tasks.tokenizer import CharTokenizer
-from tests.helpers import step_outputs, tiny_policy
+from spectrain.train.online_draft import OnlineDraft
+from tests.helpers import StepModuleStandIn as Module
+from tests.helpers import sync_step, tiny_policy
 
 pytestmark = pytest.mark.slow
 RTOL = 1e-4  # float32 engine vs float32 trainer: observed 3e-7
@@ -91,52 +93,48 @@ class FaultyEngine:
         return getattr(self.engine, name)
 
 
-class Module(SimpleNamespace):
-    def log_dict(self, values, **_):
-        self.logged.update(values)
-
-
 def module_for(engine, world, trains_draft=True):
     return Module(engine=engine, engines=EngineLayout.single(), plan=LocalPlan(), policy=world.policy,
-                  draft=world.draft, trains_draft=trains_draft,
+                  draft=OnlineDraft(world.draft), trains_draft=trains_draft,
                   logged={}, rollout_stats=None, engine_logprob_diff=math.nan,
                   policy_weights_for_sync=lambda: policy_weights(world.policy),
                   draft_weights_for_sync=lambda: draft_sync_weights(world.draft))
 
 
-def trainer_at(step):
-    strategy = SimpleNamespace(broadcast=lambda x: x, reduce=lambda t, reduce_op: t)  # one process
-    return SimpleNamespace(global_step=step, strategy=strategy)
+def start(callback: WeightSync, module, step: int) -> None:
+    """`on_train_start` of a run at `step` (a resumed one when > 0): the first sync."""
+    module.global_step = step
+    callback.on_train_start(None, module)
 
 
 def test_weight_sync_raises_on_a_bad_sync_and_warn_mode_resends(world):
     module = module_for(FaultyEngine(world.engine, policy_scale=1.02), world)
     with pytest.raises(SyncMismatchError, match="policy sync version 0: the engine does not serve"):
-        WeightSync().on_train_start(trainer_at(0), module)
+        start(WeightSync(), module, 0)
 
     callback = WeightSync(on_mismatch="warn")
     with pytest.warns(UserWarning, match="re-sending"):
-        callback.on_train_start(trainer_at(0), module)
+        start(callback, module, 0)
     assert callback.mismatches == 2  # the sync and its re-send both failed: counted, logged, the run goes on
 
     module = module_for(FaultyEngine(world.engine, draft_scale=0.5), world)
-    with pytest.raises(SyncMismatchError, match="draft sync version 3"):
-        WeightSync().on_train_start(trainer_at(3), module)
+    with pytest.raises(SyncMismatchError, match="draft sync version 0"):
+        start(WeightSync(), module, 3)
     module.engine = world.engine
-    WeightSync().on_train_start(trainer_at(4), module)  # healthy again: no error
+    start(WeightSync(), module, 4)  # healthy again: no error
 
 
 def test_rollout_logprobs_are_checked_against_the_tolerance(world):
     module = module_for(world.engine, world)
     callback = WeightSync(check_alive=False)
-    callback.on_train_start(trainer_at(0), module)
+    start(callback, module, 0)
     module.engine_logprob_diff = 2e-7  # what a float32 engine serving the trainer's weights shows
-    callback.on_train_batch_end(trainer_at(1), module, step_outputs(module), None, 0)
+    sync_step(callback, module, 1)
     module.engine_logprob_diff = 3e-2  # what stale weights showed
     with pytest.raises(SyncMismatchError, match="policy sync version 1: the step-2 rollout's logprobs differ"):
-        callback.on_train_batch_end(trainer_at(2), module, step_outputs(module), None, 0)
+        sync_step(callback, module, 2)
     lenient = WeightSync(check_alive=False, logprob_tolerance=0.1)
-    lenient.on_train_batch_end(trainer_at(2), module, step_outputs(module), None, 0)
+    sync_step(lenient, module, 2)
     assert lenient.mismatches == 0
 
 
@@ -170,19 +168,19 @@ def test_acceptance_collapse_probes_the_drafter_and_disables_speculation(world):
     module = module_for(engine, world, trains_draft=False)
     for on_dead in ("raise", "disable"):
         callback = WeightSync(on_dead=on_dead)
-        callback.on_train_start(trainer_at(0), module)
+        start(callback, module, 0)
         for step in (1, 2, 3):  # a healthy window: acceptance length 3.0
             module.rollout_stats = rollout_stats(drafts=50, accepted=100)
-            callback.on_train_batch_end(trainer_at(step), module, step_outputs(module), None, 0)
+            sync_step(callback, module, step)
         # Collapse to 1.2 (gain 0.2 < 0.5 x 2.0) with a drafter that is not the synced draft: dead.
         engine.sync_draft([(n, t * 0.5) for n, t in draft_sync_weights(world.draft)], version=99)
         module.rollout_stats = rollout_stats(drafts=50, accepted=10)
         if on_dead == "raise":
             with pytest.raises(SpeculationDeadError, match="acceptance length fell to 1.20 .*recent median 3.00"):
-                callback.on_train_batch_end(trainer_at(4), module, step_outputs(module), None, 0)
+                sync_step(callback, module, 4)
             continue
         with pytest.warns(UserWarning, match="speculation is OFF from step 5"):
-            callback.on_train_batch_end(trainer_at(4), module, step_outputs(module), None, 0)
+            sync_step(callback, module, 4)
         before = engine.spec_decode_counters()
         engine.generate(tokens, SamplingConfig(n=1, max_tokens=8, temperature=0.0))
         assert (engine.spec_decode_counters() - before).num_drafts == 0  # plain decoding now
@@ -192,12 +190,12 @@ def test_acceptance_collapse_probes_the_drafter_and_disables_speculation(world):
 def test_a_collapse_with_the_right_drafter_only_warns(world):
     module = module_for(world.engine, world, trains_draft=False)
     callback = WeightSync()
-    callback.on_train_start(trainer_at(5), module)
-    callback.load_state_dict({"policy_version": 5, "draft_version": 5, "recent_gains": [2.0, 2.0, 2.0]})
+    start(callback, module, 5)
+    module.draft.acceptance = [2.0, 2.0, 2.0]  # the draft's history: acceptance length 3.0
     module.rollout_stats = rollout_stats(drafts=50, accepted=10)
     with pytest.warns(UserWarning,
                       match="fell to 1.20 .*the engine serves the synced draft .*predicts the policy worse"):
-        callback.on_train_batch_end(trainer_at(6), module, step_outputs(module), None, 0)
+        sync_step(callback, module, 6)
 
 
 def test_the_drafter_is_probed_against_the_last_sync_not_the_draft_trained_since(world):
@@ -205,7 +203,7 @@ def test_the_drafter_is_probed_against_the_last_sync_not_the_draft_trained_since
     draft = Eagle3Draft(Eagle3Config.from_policy(world.policy.cfg))
     module = module_for(world.engine, SimpleNamespace(policy=world.policy, draft=draft))
     callback = WeightSync()
-    callback.on_train_start(trainer_at(0), module)  # version 0 synced and verified
+    start(callback, module, 0)  # version 0 synced and verified
     with torch.no_grad():  # one draft optimizer step later
         for p in draft.parameters():
             p.add_(0.01 * torch.randn_like(p))
@@ -213,12 +211,12 @@ def test_the_drafter_is_probed_against_the_last_sync_not_the_draft_trained_since
     with pytest.warns(UserWarning, match=r"step 1: acceptance length is 1\.00 over 586 drafts, and the engine serves "
                                          r"the synced draft \(version 0\): the draft does not predict this policy.*"
                                          r"Co-training learns it"):
-        callback.on_train_batch_end(trainer_at(1), module, step_outputs(module), None, 0)
+        sync_step(callback, module, 1)
     assert not callback.speculation_disabled
     module.rollout_stats = rollout_stats(drafts=586, accepted=3)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once: the next cold rollouts are quiet
-        callback.on_train_batch_end(trainer_at(2), module, step_outputs(module), None, 0)
+        sync_step(callback, module, 2)
     assert callback.state_dict()["warned"] == ["cold"]
 
 
@@ -226,15 +224,15 @@ def test_a_frozen_draft_that_does_not_fit_is_warned_about_or_turned_off(world):
     module = module_for(world.engine, world, trains_draft=False)
     module.rollout_stats = rollout_stats(drafts=586, accepted=0)
     warn_only = WeightSync(frozen_draft=True)
-    warn_only.on_train_start(trainer_at(0), module)
+    start(warn_only, module, 0)
     with pytest.warns(UserWarning, match="draft.mode=frozen never trains it.*the draft does not fit this policy.*"
-                                         "draft.on_dead=disable turns speculation off"):
-        warn_only.on_train_batch_end(trainer_at(1), module, step_outputs(module), None, 0)
+                                         "sync.on_dead=disable turns speculation off"):
+        sync_step(warn_only, module, 1)
     assert not warn_only.speculation_disabled
     disable = WeightSync(frozen_draft=True, on_dead="disable")
-    disable.on_train_start(trainer_at(0), module)
+    start(disable, module, 0)
     with pytest.warns(UserWarning, match="speculation is OFF from step 2"):
-        disable.on_train_batch_end(trainer_at(1), module, step_outputs(module), None, 0)
+        sync_step(disable, module, 1)
     assert disable.speculation_disabled and disable.state_dict()["speculation_disabled"]
 
 

@@ -19,7 +19,7 @@ WITHOUT_VLLM = "import sys; sys.modules['vllm'] = None; from spectrain.cli impor
 def test_fit_with_the_torch_engine_never_imports_vllm(tmp_path):
     run_dir = tmp_path / "run"
     args = ["fit", "tiny_cpu", f"trainer.run_dir={run_dir}", "trainer.max_steps=2", "trainer.accelerator=cpu",
-            "rollout.engine=torch", *TINY, "draft.check_alive=true"]  # the alive check sees no drafts: a no-op
+            "rollout.engine=torch", *TINY, "sync.check_alive=true"]  # the alive check sees no drafts: a no-op
     done = subprocess.run([sys.executable, "-c", WITHOUT_VLLM, *args], cwd=REPO, capture_output=True, text=True,
                           timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]

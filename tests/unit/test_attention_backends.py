@@ -361,8 +361,8 @@ def test_fit_trains_the_policy_on_the_configured_backend(tmp_path):
     run_dir = tmp_path / "run"
     args = ["fit", "tiny_cpu", f"trainer.run_dir={run_dir}", "trainer.max_steps=1", "trainer.accelerator=cpu",
             "rollout.engine=torch", "sft.steps=5", "draft.warmup_steps=2", "rollout.prompts_per_step=2",
-            "rollout.group_size=4", "rollout.eval_prompts=4", "rollout.eval_samples=2", "trainer.progress_bar=false",
-            "draft.check_alive=false", "trainer.eval_every_n_steps=0", "grpo.kl_beta=0.05"]  # + a KL reference
+            "rollout.n=4", "eval.prompts=4", "eval.samples=2", "trainer.progress_bar=false",
+            "sync.check_alive=false", "eval.every_n_steps=0", "grpo.kl_loss_coef=0.05"]  # + a KL reference
     done = subprocess.run([sys.executable, "-m", "spectrain.cli", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]

@@ -318,8 +318,8 @@ def test_speedup_refuses_bad_options_before_any_run(capsys, args, message):
 def test_speedup_modes_and_their_overrides():
     from benchmarks.speedup import mode_overrides, parse, round_order
 
-    options, overrides = parse(["tiny_cpu_concurrency", "ks=1,4", "steps=3", "rollout.group_size=2"])
-    assert (options["recipe"], options["steps"], overrides) == ("tiny_cpu_concurrency", 3, ["rollout.group_size=2"])
+    options, overrides = parse(["tiny_cpu_concurrency", "ks=1,4", "steps=3", "rollout.n=2"])
+    assert (options["recipe"], options["steps"], overrides) == ("tiny_cpu_concurrency", 3, ["rollout.n=2"])
     assert options["modes"] == "none,frozen,cotrained,concurrency,bandit,cotrained_k1"  # 4 is the recipe's own k
     modes = options["modes"].split(",")
     assert round_order(modes, 0) == modes and round_order(modes, 2)[:2] == ["cotrained", "concurrency"]

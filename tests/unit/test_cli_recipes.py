@@ -127,15 +127,15 @@ def test_a_split_prefill_on_cpu_is_refused_before_anything_is_written(tmp_path, 
 
 
 def test_the_long_response_recipe_never_truncates_a_worked_answer():
-    """tiny_cpu_long's point is long responses: the whole worked answer plus the stop token fits max_new_tokens,
-    and the prompt, the answer and the speculative lookahead fit the engine's context."""
+    """tiny_cpu_long's point is long responses: the whole worked answer plus the stop token fits
+    rollout.response_length, and the prompt, the answer and the speculative lookahead fit the engine's context."""
     from spectrain.tasks.arithmetic import ArithmeticTask
 
     config = load_config("tiny_cpu_long")
-    task = ArithmeticTask(config.task.digits, config.task.operands)
+    task = ArithmeticTask(config.toy.digits, config.toy.operands)
     assert task.max_target_chars >= 60  # a long response, against about 20 in tiny_cpu
-    assert task.max_target_chars + 1 <= config.rollout.max_new_tokens
-    prompt = len(task.example([10**config.task.digits - 1] * config.task.operands).prompt) + 1  # with BOS
+    assert task.max_target_chars + 1 <= config.rollout.response_length
+    prompt = len(task.example([10**config.toy.digits - 1] * config.toy.operands).prompt) + 1  # with BOS
     lookahead = config.draft.num_speculative_tokens
-    assert prompt + config.rollout.max_new_tokens + lookahead <= config.rollout.max_model_len
-    assert config.rollout.prompts_per_step * config.rollout.group_size == 4  # low concurrency: where it can pay
+    assert prompt + config.rollout.response_length + lookahead <= config.rollout.max_model_len
+    assert config.rollout.prompts_per_step * config.rollout.n == 4  # low concurrency: where it can pay

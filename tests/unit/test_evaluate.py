@@ -76,10 +76,10 @@ def test_an_override_after_val_files_is_read_as_an_override(tmp_path, capsys):
     assert cli_main(["eval", str(run), "--val-files", str(val), "rollout.no_such_key=8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()  # the config refuses the override's key: it was read as one
     assert len(err) == 1 and "bad value for 'rollout.no_such_key'" in err[0], err
-    assert cli_main(["eval", str(run), "--val-files", "rollout.eval_prompts=8"]) == 2
+    assert cli_main(["eval", str(run), "--val-files", "eval.prompts=8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["error: --val-files: rollout.eval_prompts=8 names no prompt file; give the files first, e.g. "
-                   "--val-files val.jsonl rollout.eval_prompts=8"]
+    assert err == ["error: --val-files: eval.prompts=8 names no prompt file; give the files first, e.g. "
+                   "--val-files val.jsonl eval.prompts=8"]
 
 
 def test_the_val_files_help_names_every_format_the_loader_reads():

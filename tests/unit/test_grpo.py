@@ -21,7 +21,7 @@ def test_grpo_loss_hand_computed():
     old = torch.log(torch.tensor([0.25, 0.5, 0.5]))  # ratios 2.0, 1.0, 1.8
     adv = torch.tensor([1.0, -1.0, -2.0])
     mask = torch.tensor([True, True, True])
-    out = grpo_loss(logp, old, adv, mask, clip_eps=0.2)
+    out = grpo_loss(logp, old, adv, mask, clip_ratio=0.2)
     # token 1: min(2*1, 1.2*1) = 1.2; token 2: -1; token 3: min(-3.6, -2.4) = -3.6
     assert math.isclose(out.loss.item(), -(1.2 - 1.0 - 3.6) / 3, rel_tol=1e-6)
     assert math.isclose(out.clip_fraction.item(), 2 / 3, rel_tol=1e-6)
@@ -43,7 +43,7 @@ def test_kl_term_and_mask_and_global_normaliser():
     logp = torch.tensor([-1.0, -2.0, -3.0])
     ref = torch.tensor([-1.5, -2.0, -1.0])
     mask = torch.tensor([True, True, False])
-    out = grpo_loss(logp, logp, torch.zeros(3), mask, kl_beta=0.5, ref_logprobs=ref, num_tokens=4)
+    out = grpo_loss(logp, logp, torch.zeros(3), mask, kl_loss_coef=0.5, ref_logprobs=ref, num_tokens=4)
     kl = [math.exp(-0.5) + 0.5 - 1, 0.0]
     assert math.isclose(out.loss.item(), 0.5 * sum(kl) / 4, rel_tol=1e-6)
 

@@ -13,7 +13,8 @@ from spectrain.parallel.cp.zigzag import ZigzagLayout, shard
 from spectrain.rollout.engine import Completion, LoadStats, SpecDecodeCounters
 from spectrain.tasks.tokenizer import CharTokenizer
 from spectrain.train.grpo import group_advantages, grpo_loss, kl_estimate, lr_lambda, overlong_penalty
-from spectrain.train.module import GRPOModule, RolloutStats
+from spectrain.train.module import GRPOModule
+from spectrain.train.step import RolloutStats
 from tests.helpers import mixed_length_batch, tiny_policy
 
 F64 = torch.float64
@@ -87,14 +88,14 @@ def test_clip_higher_hand_computed():
     # ratios 1.5, 0.5, 1.25; A = 1, -1, 1; clipped to [1 - 0.2, 1 + 0.28]
     logp = torch.log(torch.tensor([1.5, 0.5, 1.25], dtype=F64))
     old, adv, mask = torch.zeros(3, dtype=F64), torch.tensor([1.0, -1.0, 1.0], dtype=F64), torch.ones(3, dtype=bool)
-    out = grpo_loss(logp, old, adv, mask, clip_eps=0.2, clip_eps_low=0.2, clip_eps_high=0.28)
+    out = grpo_loss(logp, old, adv, mask, clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28)
     # token 1: min(1.5, 1.28) = 1.28; token 2: min(-0.5, -0.8) = -0.8; token 3: min(1.25, 1.25) (unclipped)
     assert math.isclose(out.loss.item(), -(1.28 - 0.8 + 1.25) / 3, rel_tol=1e-12)
     assert math.isclose(out.clip_fraction.item(), 2 / 3, rel_tol=1e-12)
-    # only the upper bound moves: clip_eps_low=None keeps clip_eps (0.1) below, so token 2 is min(-0.5, -0.9)
-    out = grpo_loss(logp, old, adv, mask, clip_eps=0.1, clip_eps_high=0.28)
+    # only the upper bound moves: clip_ratio_low=None keeps clip_ratio (0.1) below, so token 2 is min(-0.5, -0.9)
+    out = grpo_loss(logp, old, adv, mask, clip_ratio=0.1, clip_ratio_high=0.28)
     assert math.isclose(out.loss.item(), -(1.28 - 0.9 + 1.25) / 3, rel_tol=1e-12)
-    symmetric = grpo_loss(logp, old, adv, mask, clip_eps=0.2)  # today's: token 3 clips at 1.2
+    symmetric = grpo_loss(logp, old, adv, mask, clip_ratio=0.2)  # today's: token 3 clips at 1.2
     assert math.isclose(symmetric.loss.item(), -(1.2 - 0.8 + 1.2) / 3, rel_tol=1e-12)
 
 
@@ -117,7 +118,8 @@ def test_kl_estimators_hand_computed():
     # in the loss: A = 0, so it is beta x the token mean of the estimate
     mask = torch.tensor([True, True, False])
     for name, want in (("k1", (0.5 - 1.5) / 2), ("k2", (0.125 + 1.125) / 2), ("k3", (k3[0] + k3[1]) / 2)):
-        out = grpo_loss(logp, logp, torch.zeros(3, dtype=F64), mask, ref_logprobs=ref, kl_beta=0.5, kl_estimator=name)
+        out = grpo_loss(logp, logp, torch.zeros(3, dtype=F64), mask, ref_logprobs=ref, kl_loss_coef=0.5,
+                        kl_loss_type=name)
         assert math.isclose(out.loss.item(), 0.5 * want, rel_tol=1e-12), name
         assert math.isclose(out.kl.item(), want, rel_tol=1e-12), name
 
@@ -163,7 +165,7 @@ def test_policy_update_aggregates_over_the_whole_part(mode, micro_batch_tokens, 
     module, _, _ = bare_module([f"grpo.loss_agg_mode={mode}",
                                 f"grpo.micro_batch_tokens={micro_batch_tokens or 'null'}"])
     batch = mixed_length_batch([(3, 5), (4, 2), (2, 6)], module.policy.cfg.vocab_size)
-    result, _ = module.policy_update(batch, None, 0, 1)
+    result, _ = module.policy_update(batch, None, 0, 1, 1)
     lp = result.logprobs.detach().double()  # the policy before the step; on-policy ratios are exp(lp - engine)
     ratio = torch.exp(lp - batch.rollout_logprobs.double())
     adv = batch.advantages.double()
@@ -180,7 +182,8 @@ def with_rollout(module, lengths, rewards):
     """`module` off any Trainer, its rollout the given completions (two per prompt) and rewards; what it logs."""
     completions = [Completion(i // 2, [1, 5], [7] * n, [-0.5] * n, True) for i, n in enumerate(lengths)]
     stats = RolloutStats(1.0, len(lengths), sum(lengths), SpecDecodeCounters(), LoadStats())
-    module.rollout = lambda examples, n, purpose, greedy=False, train_in_tail=False: (completions, rewards, stats)
+    module.generate = lambda examples, n, purpose, greedy=False, step=None: (completions, stats)
+    module.score = lambda examples, completions, where: rewards
     module.trainer = SimpleNamespace(global_step=0, callbacks=[],
                                      strategy=SimpleNamespace(reduce=lambda t, reduce_op: t))
     logged = {}
@@ -192,8 +195,8 @@ def with_rollout(module, lengths, rewards):
 def test_training_step_shapes_rewards_normalises_and_steps_the_schedule(one_thread):
     """Overlong penalty before Dr. GRPO advantages; `policy/lr` logged; the schedule stepped once per GRPO step."""
     module, opt, scheds = bare_module(["grpo.overlong_buffer_len=4", "grpo.overlong_penalty_factor=0.5",
-                                       "grpo.norm_adv_by_std=false", "rollout.max_new_tokens=10",
-                                       "rollout.group_size=2", "grpo.lr=0.1", "grpo.lr_scheduler=linear",
+                                       "grpo.norm_adv_by_std_in_grpo=false", "rollout.response_length=10",
+                                       "rollout.n=2", "grpo.lr=0.1", "grpo.lr_scheduler=linear",
                                        "grpo.lr_warmup_steps=1", "trainer.max_steps=3"])
     assert len(scheds) == 1 and opt.param_groups[0]["lr"] == 0.0  # warm-up from 0
     # two prompts x two samples: lengths 3, 8 (penalty -0.25) and 10 (-0.5), 6 (0)
@@ -214,12 +217,12 @@ def test_training_step_shapes_rewards_normalises_and_steps_the_schedule(one_thre
 
 
 def test_dynamic_sampling_drops_the_groups_of_equal_rewards(one_thread):
-    module, _, _ = bare_module(["grpo.dynamic_sampling=true", "rollout.group_size=2", "grpo.minibatches=4"])
+    module, _, _ = bare_module(["grpo.dynamic_sampling=true", "rollout.n=2", "grpo.minibatches=4"])
     logged = with_rollout(module, [3, 4, 5, 6], torch.tensor([1.0, 1.0, 0.0, 1.0]))  # group 0: all equal
     step = module.training_step([None, None], 0)["step"]
     assert logged["rollout/groups_dropped"] == 1.0 and step.batch.num_docs == 2
     assert step.batch.response_lengths.unique().tolist() == [5.0, 6.0]  # group 1's two documents
-    assert step.updates == 2  # grpo.minibatches=4 capped at the two documents left
+    assert step.policy.updates == 2  # grpo.minibatches=4 capped at the two documents left
     logged = with_rollout(module, [3, 4, 5, 6], torch.tensor([1.0, 1.0, 0.0, 0.0]))
     with pytest.warns(UserWarning, match="every group of the step-1 rollout got equal rewards"):
         step = module.training_step([None, None], 0)["step"]
@@ -244,12 +247,12 @@ def test_constant_lr_adds_no_scheduler_and_a_schedule_resumes():
 @pytest.mark.parametrize("override, match", [
     ("grpo.loss_agg_mode=seq-mean", r"grpo.loss_agg_mode: 'seq-mean' is not one of \['token-mean', "
                                     r"'seq-mean-token-sum', 'seq-mean-token-mean'\]"),
-    ("grpo.kl_estimator=k4", r"grpo.kl_estimator: 'k4' is not one of \['k1', 'k2', 'k3', 'low_var_kl'\]"),
+    ("grpo.kl_loss_type=k4", r"grpo.kl_loss_type: 'k4' is not one of \['k1', 'k2', 'k3', 'low_var_kl'\]"),
     ("grpo.lr_scheduler=step", r"grpo.lr_scheduler: 'step' is not one of \['constant', 'linear', 'cosine'\]"),
-    ("grpo.clip_eps_high=0", r"grpo.clip_eps_high: is 0.0; it must be > 0 .*or null for grpo.clip_eps"),
-    ("grpo.clip_eps_low=-0.1", r"grpo.clip_eps_low: is -0.1; it must be > 0"),
-    ("grpo.clip_eps_low=1.0", r"grpo.clip_eps_low: is 1.0; it must be < 1"),
-    ("grpo.overlong_buffer_len=25", r"grpo.overlong_buffer_len: is 25; it must be in \[0, rollout.max_new_tokens=24\]"
+    ("grpo.clip_ratio_high=0", r"grpo.clip_ratio_high: is 0.0; it must be > 0 .*or null for grpo.clip_ratio"),
+    ("grpo.clip_ratio_low=-0.1", r"grpo.clip_ratio_low: is -0.1; it must be > 0"),
+    ("grpo.clip_ratio_low=1.0", r"grpo.clip_ratio_low: is 1.0; it must be < 1"),
+    ("grpo.overlong_buffer_len=25", r"grpo.overlong_buffer_len: is 25; it must be in \[0, rollout.response_length=24\]"
                                     r".*or 0 to turn the overlong penalty off"),
     ("grpo.overlong_buffer_len=-1", r"grpo.overlong_buffer_len: is -1"),
     ("grpo.overlong_penalty_factor=-1", r"grpo.overlong_penalty_factor: is -1.0; it must be >= 0"),
@@ -263,15 +266,17 @@ def test_bad_values_are_refused_naming_the_key(override, match):
 
 
 def test_the_options_load():
-    c = load_config(None, ["grpo.loss_agg_mode=seq-mean-token-mean", "grpo.clip_eps_high=0.28",
-                           "grpo.norm_adv_by_std=false", "grpo.kl_estimator=low_var_kl", "grpo.overlong_buffer_len=4",
+    c = load_config(None, ["grpo.loss_agg_mode=seq-mean-token-mean", "grpo.clip_ratio_high=0.28",
+                           "grpo.norm_adv_by_std_in_grpo=false", "grpo.kl_loss_type=low_var_kl",
+                           "grpo.overlong_buffer_len=4",
                            "grpo.lr_scheduler=cosine", "grpo.lr_warmup_steps=2"])
-    assert c.grpo.clip_eps_low is None and c.grpo.clip_eps_high == 0.28 and c.grpo.norm_adv_by_std is False
+    assert c.grpo.clip_ratio_low is None and c.grpo.clip_ratio_high == 0.28 and c.grpo.norm_adv_by_std_in_grpo is False
 
 
-def test_with_a_draft_the_module_configures_only_the_policy_and_old_checkpoints_load():
-    """The draft's optimizer and lr ramp are `DraftCoTraining`'s; a checkpoint written when they were the module's
-    second optimizer and first scheduler loads the policy's optimizer and schedule into their places."""
+def test_with_a_draft_the_module_configures_only_the_policy_and_refuses_a_checkpoint_without_draft_state():
+    """The draft's optimizer and lr ramp are its owner's (`OnlineDraft`, checkpointed under "draft"); a checkpoint
+    without that state (an older layout) is refused in one line."""
+    from spectrain.errors import SpecTrainError
     from spectrain.models.eagle3 import Eagle3Config, Eagle3Draft
 
     policy = tiny_policy()
@@ -280,13 +285,12 @@ def test_with_a_draft_the_module_configures_only_the_policy_and_old_checkpoints_
     [policy_opt], [schedule] = module.configure_optimizers()
     assert [p for g in policy_opt.param_groups for p in g["params"]] == list(policy.parameters())
     assert schedule.optimizer is policy_opt
-    policy_state, draft_state, ramp_state = policy_opt.state_dict(), {"state": {}}, {"last_epoch": 3}
-    old = {"optimizer_states": [policy_state, draft_state], "lr_schedulers": [ramp_state, schedule.state_dict()],
-           "callbacks": {"DraftCoTraining": {"steps_trained": 3, "steps_skipped": 0}}}
-    module.on_load_checkpoint(old)
-    assert old["optimizer_states"] == [policy_state] and old["lr_schedulers"] == [schedule.state_dict()]
-    assert old["callbacks"]["DraftCoTraining"]["optimizer"] is draft_state
-    assert old["callbacks"]["DraftCoTraining"]["lr_ramp"] is ramp_state
+    saved = {}
+    module.on_save_checkpoint(saved)
+    assert saved["draft"]["version"] == 0 and "optimizer" not in saved["draft"]  # no optimizer before fit start
+    module.on_load_checkpoint(saved)
+    with pytest.raises(SpecTrainError, match="the checkpoint holds no draft state"):
+        module.on_load_checkpoint({"optimizer_states": [policy_opt.state_dict()]})
 
 
 # the seq-mean modes through the real dp x cp plan (gloo processes) ------------------------------------------------

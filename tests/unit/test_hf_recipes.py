@@ -63,7 +63,7 @@ def test_longest_allowed_prompt_fits_the_engine(name, tmp_path):
     """A prompt at data.max_prompt_length plus a full answer and the draft's lookahead fits rollout.max_model_len,
     so no file that passes the length filter can fail the length check at start-up."""
     c = load_config(name, required_set(tmp_path))
-    need = c.data.max_prompt_length + c.rollout.max_new_tokens + c.draft.num_speculative_tokens + 1
+    need = c.data.max_prompt_length + c.rollout.response_length + c.draft.num_speculative_tokens + 1
     assert c.data.filter_overlong_prompts and need <= c.rollout.max_model_len
 
 
@@ -72,5 +72,5 @@ def test_batch_sizes_match_the_cited_recipes(name, step, per_update, tmp_path):
     """verl's train_batch_size x n and ppo_mini_batch_size x n; NeMo-RL's prompts x generations and
     train_global_batch_size."""
     c = load_config(name, required_set(tmp_path))
-    completions = c.rollout.prompts_per_step * c.rollout.group_size
+    completions = c.rollout.prompts_per_step * c.rollout.n
     assert (completions, completions // c.grpo.minibatches) == (step, per_update)

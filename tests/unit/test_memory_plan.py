@@ -56,8 +56,8 @@ TINY_HF = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden
 def tiny_plan(tmp_path, *overrides, gpu=GIB):
     (tmp_path / "config.json").write_text(json.dumps(TINY_HF))
     config = load_config("tiny_cpu", [f"policy.path={tmp_path}", "policy.dtype=bfloat16", "parallel.dp=2",
-                                      "parallel.fsdp=true", "grpo.kl_beta=0.1", "grpo.minibatches=1",
-                                      "rollout.prompts_per_step=4", "rollout.group_size=2",
+                                      "parallel.fsdp=true", "grpo.kl_loss_coef=0.1", "grpo.minibatches=1",
+                                      "rollout.prompts_per_step=4", "rollout.n=2",
                                       "draft.draft_vocab_size=100", *overrides])
     return mp.plan_config(config, gpu)
 
@@ -69,7 +69,7 @@ def test_plan_matches_the_hand_computed_numbers(tmp_path):
     root = 1000 * 64 + 64 + 64 * 1000  # embedding + final norm + lm_head = 128064
     p = 4 * layer + root  # 251456
     assert (plan.parameters, plan.gradients, plan.optimizer) == (4 * p // 2, 4 * p // 2, 8 * p // 2)
-    assert plan.reference == 4 * p // 2  # grpo.kl_beta > 0: a frozen float32 copy, sharded
+    assert plan.reference == 4 * p // 2  # grpo.kl_loss_coef > 0: a frozen float32 copy, sharded
     # gathered in bf16: root + 2 layers, one layer's grads, and the reference's root + 2 layers
     assert plan.gathered == 2 * (root + 2 * layer) + 2 * layer + 2 * (root + 2 * layer)
     # the draft: fc 3H -> H, q/k/v from 2H, o, SwiGLU, 4 norms, lm_head to Vd = 57856 parameters
@@ -130,7 +130,7 @@ def test_the_logits_chunk_is_the_chunked_log_softmax_default():
 
 def test_micro_batch_tokens_keep_whole_documents(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(TINY_HF))
-    base = ["policy.path=" + str(tmp_path), "rollout.prompts_per_step=4", "rollout.group_size=2", "parallel.dp=2",
+    base = ["policy.path=" + str(tmp_path), "rollout.prompts_per_step=4", "rollout.n=2", "parallel.dp=2",
             "grpo.minibatches=1"]
     tokens = {cap: mp.micro_batch_tokens(load_config("tiny_cpu", [*base, f"grpo.micro_batch_tokens={cap}"]))
               for cap in ("null", 100, 300, 10000)}
@@ -269,8 +269,9 @@ def test_a_16_gib_gpu_is_refused_with_the_keys_to_change(recipe, tmp_path, capsy
     (["policy.activation_checkpointing=false", "grpo.micro_batch_tokens=null", "rollout.gpu_memory_utilization=0.6"],
      {"policy.activation_checkpointing", "grpo.micro_batch_tokens"}),  # the recipe without its memory keys
     (["parallel.fsdp=false"], {"parallel.fsdp"}),
-    (["parallel.fsdp=false", "parallel.dp=4", "parallel.pp=2", "grpo.kl_beta=0"], {"parallel.pp"}),
-], ids=["checkpointing-and-micro-batch", "fsdp", "more-stages"])
+    (["parallel.fsdp=false", "parallel.dp=4", "parallel.pp=2", "grpo.kl_loss_coef=0"], {"parallel.fsdp"}),
+    (["parallel.fsdp=false", "parallel.dp=1", "parallel.pp=2", "grpo.kl_loss_coef=0"], {"parallel.pp"}),
+], ids=["checkpointing-and-micro-batch", "fsdp", "fsdp-in-stages", "more-stages"])
 def test_suggested_keys_make_the_plan_fit(overrides, named, tmp_path, capsys):
     """The planner names the keys, with values, and with them the same command fits, at the total it said."""
     policy = f"policy.path={config_only(tmp_path, CHECKPOINTS['qwen3_gsm8k'])}"

@@ -47,7 +47,7 @@ def test_a_finite_update_steps_the_policy():
     """The control: the same update on a clean batch changes the weights, so the refusals below are the check's."""
     module, opt = module_and_optimizer()
     batch, before = mixed_length_batch(LENGTHS, module.policy.cfg.vocab_size), weights(module)
-    module.policy_update(batch, None, 0, 1)
+    module.policy_update(batch, None, 0, 1, 1)
     assert not same(before, weights(module)) and opt.state
 
 
@@ -60,17 +60,17 @@ def test_a_non_finite_update_stops_before_the_optimizer_step(poison):
     with pytest.raises(NonFiniteError, match=r"^policy update 2 of 3 in step 1: the loss \(-?(nan|inf)\) or the "
                                              r"gradient norm \((nan|inf)\) is not finite\. Stopped before the "
                                              r"optimizer step: no weight was changed by it.*lower grpo\.lr"):
-        module.policy_update(batch, None, 1, 3)
+        module.policy_update(batch, None, 1, 3, 1)
     assert same(before, weights(module)) and not opt.state  # AdamW never stepped: no moments either
 
 
 def test_the_check_reads_every_rank_s_shared_values():
     """The plans hand back the summed loss and the reduced norm; either one non-finite is enough to stop."""
     module, _ = module_and_optimizer()
-    module.check_finite_update(1.5, 0.3, 0, 4)
+    module.check_finite_update(1.5, 0.3, 0, 4, 1)
     for loss, norm in ((math.inf, 0.3), (1.5, math.nan)):
         with pytest.raises(NonFiniteError, match=r"policy update 1 of 4"):
-            module.check_finite_update(loss, norm, 0, 4)
+            module.check_finite_update(loss, norm, 0, 4, 1)
 
 
 def test_a_draft_update_with_an_infinite_gradient_is_skipped_with_its_norm():

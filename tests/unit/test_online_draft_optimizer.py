@@ -4,12 +4,10 @@ A fresh AdamW at the warm-up's rate makes full-size sign steps (its moments star
 undo the warm-up: that case is kept here as the control, so the test shows the difference.
 """
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from spectrain.callbacks import DraftCoTraining
 from spectrain.config import load_config
 from spectrain.models.eagle3 import Eagle3Config, Eagle3Draft
 from spectrain.models.llama import LlamaConfig, LlamaForCausalLM
@@ -17,6 +15,7 @@ from spectrain.parallel.plan import draft_inputs_from, ttt_valid_tokens
 from spectrain.tasks.arithmetic import ArithmeticTask
 from spectrain.tasks.tokenizer import CharTokenizer
 from spectrain.train.draft_update import draft_loss, draft_optimizer, draft_update
+from spectrain.train.online_draft import DraftTraining, OnlineDraft
 from spectrain.train.warm_start import examples_to_batch, warm_up_draft
 
 TOLERANCE = 0.02  # the first online update may raise the loss on its own batch by at most 2%
@@ -42,11 +41,13 @@ def converged(one_thread):
     return policy, draft, warmup.state_dict(), tokenizer, chunk
 
 
-def online_cotraining(draft: Eagle3Draft, warmup_state: dict, overrides: list[str]) -> DraftCoTraining:
-    """`spectrain fit`'s `DraftCoTraining` for these overrides, after `on_fit_start` built its optimizer and ramp."""
-    callback = DraftCoTraining.from_config(load_config(None, overrides).draft, warmup_state)
-    callback.on_fit_start(SimpleNamespace(strategy=None), SimpleNamespace(draft=draft))
-    return callback
+def online_cotraining(draft: Eagle3Draft, warmup_state: dict, overrides: list[str]) -> OnlineDraft:
+    """`spectrain fit`'s draft owner for these overrides, after the module's `on_fit_start` built its optimizer and
+    ramp (the warm-up's state carried as `SpecTrainer` carries it: with draft.carry_warmup_optimizer)."""
+    d = load_config(None, overrides).draft
+    owner = OnlineDraft(draft, DraftTraining.from_config(d), warmup_state if d.carry_warmup_optimizer else None)
+    owner.setup(lambda optimizer: optimizer.state_dict())
+    return owner
 
 
 def loss_after_first_online_update(converged, overrides: list[str]) -> tuple[float, float, float]:

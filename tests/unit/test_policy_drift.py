@@ -12,6 +12,7 @@ from spectrain.callbacks import PolicyDrift
 from spectrain.callbacks.policy_drift import feature_shift, kl_to_reference
 from spectrain.models.hf_io import save_pretrained
 from spectrain.parallel.plan import LocalPlan
+from spectrain.train.online_draft import OnlineDraft
 from tests.helpers import StandInModule, mixed_length_batch, step_outputs, tiny_policy
 
 TAPS = (1, 2, 3)
@@ -71,6 +72,9 @@ class Module(StandInModule):
 
     def __init__(self, policy_path: str | None = None) -> None:
         super().__init__(POLICY, TAPS, seed=0)
+        model = self.draft
+        del self.draft  # the module's draft is its owner, as GRPOModule's
+        self.draft = OnlineDraft(model)
         self.plan = LocalPlan()
         self.config = SimpleNamespace(policy=SimpleNamespace(path=policy_path))
         self.rollout_batch = mixed_length_batch([(3, 6), (4, 3)], POLICY["vocab_size"])

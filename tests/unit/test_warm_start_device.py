@@ -15,7 +15,7 @@ from spectrain.train.warm_start import WARMUP_OPTIMIZER, build_and_warm_up_draft
 def test_the_warm_start_trains_on_the_accelerator_and_returns_cpu_models(tmp_path, accelerator):
     config = load_config("tiny_cpu", [f"trainer.accelerator={accelerator}", "sft.steps=3", "sft.batch_size=4",
                                       "draft.warmup_steps=2"])
-    tokenizer, task = CharTokenizer(), ArithmeticTask(config.task.digits, config.task.operands)
+    tokenizer, task = CharTokenizer(), ArithmeticTask(config.toy.digits, config.toy.operands)
     policy, meta = warm_start_policy(config, inputs.build_policy(config, tokenizer), task, tokenizer, tmp_path,
                                      progress=False)
     draft = build_and_warm_up_draft(config, policy, task, tokenizer, tmp_path)

@@ -20,7 +20,7 @@ TINY = ["sft.steps=2", "sft.batch_size=4", "draft.warmup_steps=2"]
 
 def warm_start(run_dir, *overrides):
     config = load_config("tiny_cpu", [*TINY, *overrides])
-    tokenizer, task = CharTokenizer(), ArithmeticTask(config.task.digits, config.task.operands)
+    tokenizer, task = CharTokenizer(), ArithmeticTask(config.toy.digits, config.toy.operands)
     policy, _ = warm_start_policy(config, inputs.build_policy(config, tokenizer), task, tokenizer, run_dir,
                                   progress=False)
     return policy, build_and_warm_up_draft(config, policy, task, tokenizer, run_dir / "draft_cache")

@@ -19,8 +19,9 @@ from spectrain.batch import RolloutBatch, concat_batches, micro_batches
 from spectrain.models.llama import LlamaForCausalLM
 from spectrain.parallel.cp.ring import ZigzagRingAttentionOps
 from spectrain.parallel.cp.zigzag import ZigzagLayout, shard, shift_left
-from spectrain.parallel.mesh import MESH_DIMS, ROLLOUT_RANK, all_reduce_gradients
-from spectrain.parallel.plan import LocalPlan, PolicyStepResult, ShiftFn, micro_batch_step
+from spectrain.parallel.fsdp import gathered
+from spectrain.parallel.mesh import MESH_DIMS, ROLLOUT_RANK, all_reduce_gradients, clip_grad_norm
+from spectrain.parallel.plan import LocalPlan, PolicyUpdateResult, ShiftFn, micro_batch_forward_backward
 from spectrain.parallel.torch_compat import flatten_mesh
 
 
@@ -51,7 +52,7 @@ def dp_documents(num_docs: int, dp_size: int, dp_rank: int) -> list[int]:
     """This dp rank's contiguous, near-equal share of the documents (groups stay mostly together)."""
     if num_docs < dp_size:
         raise ValueError(f"a batch of {num_docs} documents cannot be split over parallel.dp={dp_size} ranks; "
-                         f"raise rollout.prompts_per_step x rollout.group_size or lower parallel.dp")
+                         f"raise rollout.prompts_per_step x rollout.n or lower parallel.dp")
     return torch.tensor_split(torch.arange(num_docs), dp_size)[dp_rank].tolist()
 
 
@@ -119,7 +120,7 @@ class ContextParallelPlan:
         return shard_batch(part, layout, policy.cfg.pad_token_id), layout
 
     def policy_forward_backward(self, policy, batch, loss_fn, tap_layers, backward, on_taps=None,
-                                micro_batch_tokens=None, teacher_t2d=None) -> PolicyStepResult:
+                                micro_batch_tokens=None, teacher_t2d=None) -> PolicyUpdateResult:
         """This rank's dp slice in micro-batches of whole documents, each zigzag-sharded: the cp ranks of a group
         cut the same documents, so their rings line up; `micro_batch_tokens` is per rank (a micro-batch holds up
         to `cp` times as many tokens)."""
@@ -131,24 +132,33 @@ class ContextParallelPlan:
             ops = ZigzagRingAttentionOps(self.cp_group, local_ops=policy.attention_ops)
             local_ops, policy.attention_ops = policy.attention_ops, ops  # autograd keeps `ops` for the backward
             try:
-                loss, lp = micro_batch_step(policy, local, loss_fn, tap_layers, backward, on_taps, ops,
-                                            zigzag_shift_fn(layout, self.cp_group), teacher_t2d)
+                loss, lp = micro_batch_forward_backward(policy, local, loss_fn, tap_layers, backward, on_taps, ops,
+                                                        zigzag_shift_fn(layout, self.cp_group), teacher_t2d)
             finally:
                 policy.attention_ops = local_ops
             losses.append(loss)
             logprobs.append(lp)
             shards.append(local)
-        step_loss = torch.stack(losses).sum()  # the shares add up to the step's loss: log that, not rank 0's share
-        dist.all_reduce(step_loss, group=self.replica_group)
-        return PolicyStepResult(step_loss, torch.cat(logprobs), concat_batches(shards, part))
+        update_loss = torch.stack(losses).sum()  # the shares add up to the step's loss: log that, not rank 0's share
+        dist.all_reduce(update_loss, group=self.replica_group)
+        return PolicyUpdateResult(update_loss, torch.cat(logprobs), concat_batches(shards, part))
+
+    def stages(self, policy: LlamaForCausalLM) -> list[nn.Module]:
+        """What this rank runs of the policy, for sharding: all of it (`fsdp.shard_modules`)."""
+        return [policy]
 
     def reduce_gradients(self, module: nn.Module) -> None:
         """Sum gradients over all replicas (every rank runs the same graph: the same parameters have them)."""
         all_reduce_gradients(module, self.replica_group)
 
     def clip_grad_norm(self, module: nn.Module, max_norm: float) -> torch.Tensor:
-        # gradients are identical on every replica after reduce_gradients: the local norm is the global one
-        return torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)
+        # gradients are identical on every replica after reduce_gradients (or sharded): the norm is the global one
+        return clip_grad_norm(module, max_norm)
 
     def policy_weights(self, policy, everywhere: bool = False):
-        return LocalPlan().policy_weights(policy) if self.is_rollout_rank or everywhere else None
+        """The policy's tensors on rank 0 (on every rank with `everywhere`, for its engine), None elsewhere; gathered
+        tensor by tensor where sharded (every rank drives the same all-gathers)."""
+        return gathered(LocalPlan().policy_weights(policy), keep=self.is_rollout_rank or everywhere)
+
+    def draft_weights(self, draft, everywhere: bool = False):
+        return gathered(LocalPlan().draft_weights(draft), keep=self.is_rollout_rank or everywhere)

@@ -2,7 +2,7 @@
 
 Each CP rank holds the zigzag shard of every document (see ``spectrain.parallel.cp.zigzag``):
 its front chunk ``r`` then its back chunk ``2P-1-r``, equal lengths. K/V travel the ring
-``r -> r+1`` for ``P-1`` steps; at step ``s`` rank ``r`` holds the K/V of rank ``r-s``:
+``r -> r+1`` for ``P-1`` hops; at hop ``s`` rank ``r`` holds the K/V of rank ``r-s``:
 
 * ``s = 0``: causal attention on the local shard (local order is causal order).
 * ``1 <= s <= r``: the source's front chunk is earlier than both local chunks and its back
@@ -10,13 +10,13 @@ its front chunk ``r`` then its back chunk ``2P-1-r``, equal lengths. K/V travel 
 * ``s > r``: both source chunks are later than the local front chunk and earlier than the
   local back chunk: the **back** half of the queries against all the K/V, no mask.
 
-So every step after the first is half the work of a full unmasked block, the same on every
+So every hop after the first is half the work of a full unmasked block, the same on every
 rank. Partial results are merged by LSE (``merge_attn``, fp32 or fp64). The next K/V is
-posted with ``batch_isend_irecv`` before the current step is computed (comm/compute overlap).
+posted with ``batch_isend_irecv`` before the current hop is computed (comm/compute overlap).
 
 Backward (as ring-flash-attention): K/V go round again, and dK/dV accumulators travel with
 them, so after ``P`` hops each rank's accumulator comes home holding every rank's part.
-``attn_backward`` with the final joint ``(out, lse)`` gives each step's exact part.
+``attn_backward`` with the final joint ``(out, lse)`` gives each hop's exact part.
 """
 
 from __future__ import annotations
@@ -91,8 +91,8 @@ class _Halves:
 
 
 @dataclass(frozen=True)
-class _Step:
-    """Rows of the local queries and of the held K/V that meet at one ring step.
+class _Hop:
+    """Rows of the local queries and of the held K/V that meet at one ring hop.
 
     ``None`` means all rows; ``cu_q`` / ``cu_k`` describe the selected rows.
     """
@@ -104,10 +104,10 @@ class _Step:
     causal: bool
 
     @classmethod
-    def at(cls, step: int, rank: int, cu_seqlens: Tensor, h: _Halves) -> "_Step":
-        if step == 0:
+    def at(cls, hop: int, rank: int, cu_seqlens: Tensor, h: _Halves) -> "_Hop":
+        if hop == 0:
             return cls(None, None, cu_seqlens, cu_seqlens, True)
-        if step <= rank:  # K/V of an earlier rank: all queries see its front chunk only
+        if hop <= rank:  # K/V of an earlier rank: all queries see its front chunk only
             return cls(None, h.front, cu_seqlens, h.cu_half, False)
         # K/V of a later rank: only our back chunk sees it, all of it
         return cls(h.back, None, h.cu_half, cu_seqlens, False)
@@ -155,24 +155,24 @@ class ZigzagRingAttentionOps:
         """``(out [T, Hq, D] in q.dtype, lse [T, Hq])`` of the local queries vs all ranks' keys."""
         h = self._halves(q, k, v, cu_seqlens_q, cu_seqlens_k, causal)
         out = lse = None
-        for step, kv in self._held_kv(torch.stack([k, v])):
-            st = _Step.at(step, self.rank, cu_seqlens_q, h)
-            out, lse = self._step_forward(st, kv, q, out, lse, scale)
+        for hop, kv in self._held_kv(torch.stack([k, v])):
+            st = _Hop.at(hop, self.rank, cu_seqlens_q, h)
+            out, lse = self._hop_forward(st, kv, q, out, lse, scale)
         return out.to(q.dtype), lse
 
     def _held_kv(self, kv: Tensor):
-        """``(step, K/V held at that step)``; the next step's K/V is in flight while one is computed."""
+        """``(hop, K/V held at that hop)``; the next hop's K/V is in flight while one is computed."""
         comm = _RingComm(self.group)
-        for step in range(self.world):
-            if step + 1 < self.world:
+        for hop in range(self.world):
+            if hop + 1 < self.world:
                 next_kv = comm.send_recv(kv)
-            yield step, kv
-            if step + 1 < self.world:
+            yield hop, kv
+            if hop + 1 < self.world:
                 comm.wait()
                 kv = next_kv
 
-    def _step_forward(self, st: "_Step", kv: Tensor, q: Tensor, out, lse, scale):
-        """Merge one step's block into the running ``(out, lse)``."""
+    def _hop_forward(self, st: "_Hop", kv: Tensor, q: Tensor, out, lse, scale):
+        """Merge one hop's block into the running ``(out, lse)``."""
         kv_s = _rows(kv, st.kv_rows, dim=1)
         block = self.local_ops.forward(_rows(q, st.q_rows), kv_s[0], kv_s[1], st.cu_q, st.cu_k, st.causal, scale)
         if st.q_rows is None:
@@ -180,8 +180,8 @@ class ZigzagRingAttentionOps:
         out_m, lse_m = merge_attn(out[st.q_rows], lse[st.q_rows], *block)
         return out.index_copy(0, st.q_rows, out_m), lse.index_copy(0, st.q_rows, lse_m)
 
-    def _step_backward(self, st: "_Step", kv: Tensor, dout, q, out, lse, scale) -> tuple[Tensor, Tensor]:
-        """One step's ``dq`` (of ``st.q_rows``) and stacked ``dK/dV`` (of ``st.kv_rows``)."""
+    def _hop_backward(self, st: "_Hop", kv: Tensor, dout, q, out, lse, scale) -> tuple[Tensor, Tensor]:
+        """One hop's ``dq`` (of ``st.q_rows``) and stacked ``dK/dV`` (of ``st.kv_rows``)."""
         kv_s, r = _rows(kv, st.kv_rows, dim=1), st.q_rows
         dq_b, dk_b, dv_b = self.local_ops.backward(
             _rows(dout, r), _rows(q, r), kv_s[0], kv_s[1], _rows(out, r), _rows(lse, r),
@@ -195,12 +195,12 @@ class ZigzagRingAttentionOps:
         dkv_comm = _RingComm(self.group)
         acc = _acc_dtype(q)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        for step, kv in self._held_kv(torch.stack([k, v])):
-            st = _Step.at(step, self.rank, cu_seqlens_q, h)
-            dq_b, dkv_b = self._step_backward(st, kv, dout, q, out, lse, scale)
+        for hop, kv in self._held_kv(torch.stack([k, v])):
+            st = _Hop.at(hop, self.rank, cu_seqlens_q, h)
+            dq_b, dkv_b = self._hop_backward(st, kv, dout, q, out, lse, scale)
             _add_rows(dq, st.q_rows, dq_b)
             # dK/dV of the held K/V: add our part to the accumulator that arrived with it.
-            if step == 0:
+            if hop == 0:
                 dkv = dkv_b.to(acc)
             else:
                 dkv_comm.wait()

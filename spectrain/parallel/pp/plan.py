@@ -49,12 +49,13 @@ from spectrain.parallel.cp.plan import (
 )
 from spectrain.parallel.cp.ring import ZigzagRingAttentionOps
 from spectrain.parallel.cp.zigzag import ZigzagLayout
-from spectrain.parallel.mesh import MESH_DIMS, ROLLOUT_RANK, all_reduce_gradients, by_dtype
+from spectrain.parallel.fsdp import full_tensor, gathered, is_sharded
+from spectrain.parallel.mesh import MESH_DIMS, ROLLOUT_RANK, all_reduce_gradients, by_dtype, clip_grad_norm
 from spectrain.parallel.plan import (
     UNSET_NORMALISER,
     LocalPlan,
     PolicyLossFn,
-    PolicyStepResult,
+    PolicyUpdateResult,
     draft_inputs_from,
 )
 from spectrain.parallel.pp.runner import PipelineRunner, make_tap_channel, split_microbatches
@@ -186,7 +187,7 @@ class PipelinePlan:
         self.num_stages = self.pp_size * self.stages_per_rank
         self.pp_group = mesh["pp"].get_group()
         self.cp_group = mesh["cp"].get_group()
-        self.stage_replica_group = flatten_mesh(mesh["dp", "cp"], "dp_cp").get_group()  # the copies of this stage
+        self.replica_mesh = flatten_mesh(mesh["dp", "cp"], "dp_cp")  # the copies of this stage (FSDP shards over it)
         self.tap_group = new_tap_group(self.pp_group)
         self.is_rollout_rank = dist.get_rank() == ROLLOUT_RANK
         self.last_stage_rank = (self.num_stages - 1) % self.pp_size
@@ -216,6 +217,10 @@ class PipelinePlan:
     def _local_stage_indices(self) -> list[int]:
         return local_stage_indices(self.pp_rank, self.pp_size, self.stages_per_rank)
 
+    def stages(self, policy: LlamaForCausalLM) -> list[nn.Module]:
+        """This rank's stage(s) of the policy, for sharding (`fsdp.shard_modules`)."""
+        return [split_policy(policy, self.num_stages, s) for s in self._local_stage_indices()]
+
     def _runner(self, policy: LlamaForCausalLM, tap_layers: tuple[int, ...], budget: int) -> PipelineRunner:
         """The runner of this budget; fresh stages each, since a runner points its stages' taps at its channel."""
         if policy is not self._policy:
@@ -238,7 +243,7 @@ class PipelinePlan:
         return loss
 
     def policy_forward_backward(self, policy, batch, loss_fn, tap_layers, backward, on_taps=None,
-                                micro_batch_tokens=None, teacher_t2d=None) -> PolicyStepResult:
+                                micro_batch_tokens=None, teacher_t2d=None) -> PolicyUpdateResult:
         """The pipelined forward and backward of this rank's part of `batch`.
 
         Without `micro_batch_tokens` the part runs as one schedule of `n_microbatches` microbatches;
@@ -261,10 +266,10 @@ class PipelinePlan:
                 logprobs.append(lp)
                 shards.append(mb)
         # the last stages' shares add up to the step's loss: log that everywhere (float64: one dtype on every rank)
-        step_loss = torch.stack(losses).sum().double() if losses else torch.zeros((), dtype=torch.float64)
-        dist.all_reduce(step_loss)
-        return PolicyStepResult(step_loss, torch.cat(logprobs) if logprobs else torch.zeros(0),
-                                concat_batches(shards, part))
+        update_loss = torch.stack(losses).sum().double() if losses else torch.zeros((), dtype=torch.float64)
+        dist.all_reduce(update_loss)
+        return PolicyUpdateResult(update_loss, torch.cat(logprobs) if logprobs else torch.zeros(0),
+                                  concat_batches(shards, part))
 
     def _round(self, policy, part: RolloutBatch, loss_fn, tap_layers: tuple[int, ...], micro_batch_tokens):
         """One schedule over `part`: the last stage's losses and (output, microbatch, logprobs), and the docs."""
@@ -284,47 +289,55 @@ class PipelinePlan:
 
     def reduce_gradients(self, module: nn.Module) -> None:
         """Sum the gradients over the copies of this rank's stage(s) (its dp x cp group)."""
-        all_reduce_gradients(module, self.stage_replica_group)
+        all_reduce_gradients(module, self.replica_mesh.get_group())
 
     def clip_grad_norm(self, module: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip by the norm of the whole policy: squared stage norms summed over the pp group.
 
         Only this rank's stage parameters have gradients; after `reduce_gradients` they are the
-        same on every copy of the stage, so each pp group computes the same global norm.
+        same on every copy of the stage (or its shards add up over them), so each pp group computes
+        the same global norm.
         """
-        params = [p for p in module.parameters() if p.grad is not None]
-        squared = torch.nn.utils.get_total_norm([p.grad for p in params]).pow(2)
-        dist.all_reduce(squared, group=self.pp_group)
-        total = squared.sqrt()
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-        return total
+        return clip_grad_norm(module, max_norm, self.pp_group)
 
     # weight sync -----------------------------------------------------------------------------
     def policy_weights(self, policy, everywhere: bool = False):
-        """Every stage's weights, gathered into rank 0's full policy; its HF-named state dict there, None elsewhere
-        (`everywhere`: rank 0's full policy is then broadcast into every rank's)."""
+        """Every stage's weights, gathered into rank 0's full policy; its HF-named list there, None elsewhere
+        (`everywhere`: rank 0's list is then broadcast into every rank's). Sharded stages are gathered tensor by
+        tensor, collectively over their copies (rank 0's own stage on the CPU, as at pp=1)."""
         self._gather_policy(policy)
-        if everywhere:
-            _broadcast_into(list(policy.state_dict().values()), ROLLOUT_RANK)
-        return LocalPlan().policy_weights(policy) if self.is_rollout_rank or everywhere else None
+        if not (self.pp_rank == 0 or everywhere):
+            return None
+        named = gathered(LocalPlan().policy_weights(policy), keep=self.is_rollout_rank or everywhere)
+        if everywhere:  # one device on every rank for the broadcast (a no-op unsharded: into the policy itself)
+            device = next(policy.parameters()).device
+            named = [(n, t.to(device)) for n, t in named]
+            _broadcast_into([t for _, t in named], ROLLOUT_RANK)
+        return named
 
     def _gather_policy(self, policy) -> None:
-        if not self.gathers_weights:
-            return
-        stage_tensors = lambda s: list(split_policy(policy, self.num_stages, s).state_dict().values())  # noqa: E731
+        """The other stages' weights into rank 0's policy, sent by the first copy of each stage (whose copies
+        gather a sharded stage first)."""
+        stage = lambda s: split_policy(policy, self.num_stages, s).state_dict()  # noqa: E731
         if self.pp_rank != 0:
+            device = next(policy.parameters()).device
             for s in self._local_stage_indices():
-                _send(stage_tensors(s), self.pp_group, 0)
-            return
-        with torch.no_grad():
-            for s in range(self.num_stages):
-                if s % self.pp_size:
-                    _recv_into(stage_tensors(s), self.pp_group, s % self.pp_size)
+                full = gathered(stage(s).items(), keep=self.gathers_weights)
+                if full is not None:
+                    _send([t.to(device) for _, t in full], self.pp_group, 0)
+        elif self.is_rollout_rank:
+            with torch.no_grad():
+                for s in range(self.num_stages):
+                    if s % self.pp_size:
+                        _recv_into(list(stage(s).values()), self.pp_group, s % self.pp_size)
 
     def draft_weights(self, draft, everywhere: bool = False):
-        """The last stage's draft, received into rank 0's draft; its sync weights there, None elsewhere
-        (`everywhere`: broadcast from rank 0 into every rank's draft)."""
+        """The last stage's draft (gathered over its copies where sharded), received into rank 0's draft; its sync
+        weights there, None elsewhere (`everywhere`: broadcast from rank 0 into every rank's draft)."""
         tensors = list(draft.state_dict().values())
+        sharded = self.hosts_draft and is_sharded(draft)
+        if sharded:
+            tensors = [full_tensor(t, keep=True).to(t.device) for t in tensors]
         if self.gathers_weights and self.pp_rank == self.last_stage_rank:
             _send(tensors, self.pp_group, 0)
         elif self.is_rollout_rank:
@@ -332,4 +345,6 @@ class PipelinePlan:
                 _recv_into(tensors, self.pp_group, self.last_stage_rank)
         if everywhere:
             _broadcast_into(tensors, ROLLOUT_RANK)
-        return LocalPlan().draft_weights(draft) if self.is_rollout_rank or everywhere else None
+        if not (self.is_rollout_rank or everywhere):
+            return None
+        return gathered(LocalPlan().draft_weights(draft), keep=True) if sharded else LocalPlan().draft_weights(draft)

@@ -93,7 +93,7 @@ class BanditSelector:
         self.min_plays = min_plays
         self._index = {a: i for i, a in enumerate(self.arms)}
         self._rng = random.Random(seed)
-        self._rewards = [[deque(maxlen=window) for _ in self.arms] for _ in self.buckets]
+        self._rewards: list[list[deque[float]]] = [[deque(maxlen=window) for _ in self.arms] for _ in self.buckets]
         self._counts = [[0] * len(self.arms) for _ in self.buckets]
 
     def bucket_index(self, batch_size: int) -> int:

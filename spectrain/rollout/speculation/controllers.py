@@ -74,6 +74,7 @@ class BanditController(SpecController):
         self._held += 1
         if self._held < self.HOLD_STEPS:
             return
+        assert self._arm is not None, "after_step follows before_step"
         self.selector.update(self._arm, self._live, accepted_tokens_per_second(
             record.mean_acceptance_length, record.live, record.seconds))
         self._arm = None

