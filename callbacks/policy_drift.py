@@ -97,6 +97,7 @@ class PolicyDrift(Callback):
         taps = tuple(pl_module.draft.model.cfg.tap_layers) if pl_module.draft is not None \
             else default_tap_layers(policy.cfg.num_hidden_layers)
         out = policy(batch.input_ids, batch.position_ids, batch.cu_seqlens, tap_layers=taps)
+        assert self.reference is not None, "on_fit_start loads the reference"
         ref = self.reference(batch.input_ids, batch.position_ids, batch.cu_seqlens, tap_layers=taps)
         mask = batch.response_mask
         return {"drift/kl_to_warmstart": kl_to_reference(out.logits, ref.logits, mask).item(),

@@ -32,7 +32,7 @@ class StopOnSignal(Callback):
         self.ckpt_path = ckpt_path
         self.received: int = 0  # the signal noted on this rank
         self.stopped_by: int = 0  # the signal the run stopped on (agreed by every rank)
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, signal._HANDLER] = {}
         self._speaks = True  # rank 0 only: every rank of a torchrun job gets the signal
 
     @override
@@ -86,7 +86,7 @@ class InterruptOnSignal:
 
     def __init__(self) -> None:
         self.phase = "the start-up checks: nothing was written"
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, signal._HANDLER] = {}
 
     def __enter__(self) -> "InterruptOnSignal":
         if threading.current_thread() is threading.main_thread():

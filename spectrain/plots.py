@@ -63,8 +63,8 @@ class Curve:
     points, e.g. held-out evaluations); "stacked" (bars stacked on the panel's earlier stacked series)."""
 
     label: str
-    xs: list[float]
-    ys: list[float]
+    xs: Sequence[float]  # steps are ints
+    ys: Sequence[float]
     style: str = "line"
 
 

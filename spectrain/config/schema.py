@@ -18,6 +18,7 @@ RolloutDtype = Literal["auto", "float32", "bfloat16"]
 AttentionBackend = Literal["auto", "torch", "varlen", "flex", "triton", "flash_attn", "te"]  # docs/gpu.md
 TaskName = Literal["arithmetic", "files"]
 OnBadRow = Literal["skip", "error"]
+RewardName = Literal["exact_answer", "math_verify", "custom"]  # spectrain.tasks.rewards.REWARD_FNS
 RolloutEngine = Literal["vllm", "torch"]
 EngineRanks = Literal["auto", "all", "rank0"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]  # verl's actor.loss_agg_mode
@@ -102,7 +103,7 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    name: str = "exact_answer"  # exact_answer | math_verify | custom
+    name: RewardName = "exact_answer"
     partial_credit: float = 0.0  # exact_answer: reward share for a wrong answer with some right digits
     path: str | None = None  # custom: a .py file (verl's custom_reward_function.path)
     function: str = "compute_score"  # custom: the function in it (verl's custom_reward_function.name)

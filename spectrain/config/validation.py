@@ -24,6 +24,7 @@ from spectrain.config.schema import (
     PipelineSchedule,
     PolicyDtype,
     Resume,
+    RewardName,
     RolloutDtype,
     RolloutEngine,
     SpecTrainConfig,
@@ -34,7 +35,6 @@ from spectrain.config.schema import (
     engines_on_every_rank,
 )
 from spectrain.errors import ConfigError, warn_input
-from spectrain.tasks.rewards import REWARD_FNS
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -156,7 +156,7 @@ def _check_task(c: SpecTrainConfig) -> None:
 
 def _check_reward(c: SpecTrainConfig) -> None:
     r = c.reward
-    _one_of(r.name, "reward.name", tuple(sorted(REWARD_FNS)))
+    _one_of(r.name, "reward.name", RewardName)
     _require(0 <= r.partial_credit < 1, "reward.partial_credit",
              f"is {r.partial_credit}; it must be in [0, 1): a wrong answer must score below a right one")
     _require(r.name != "custom" or bool(r.path), "reward.path",

@@ -31,6 +31,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from spectrain.models.llama import LlamaForCausalLM
+from spectrain.parallel.torch_compat import fsdp_param_dtype
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -87,6 +88,13 @@ def shard_modules(plan, policy: nn.Module, draft: nn.Module | None = None, refer
         # its forward reaches into the midlayer's submodules: one unit, so no unit misses its own forward
         fully_shard(draft, mesh=plan.replica_mesh, mp_policy=mp)
         sum_gradients(draft)
+
+
+def compute_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype `module`'s activations come in: its first FSDP unit's mixed-precision parameter dtype where one
+    is set (bf16 under Lightning's bf16-mixed), else its first parameter's."""
+    unit = next((m for m in module.modules() if isinstance(m, FSDPModule)), None)
+    return (unit is not None and fsdp_param_dtype(unit)) or next(module.parameters()).dtype
 
 
 def is_sharded(module: nn.Module | None) -> bool:

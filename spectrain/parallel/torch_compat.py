@@ -47,6 +47,14 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     return attribute(mesh, "_flatten", "DeviceMesh")(name)
 
 
+# FSDP2 ------------------------------------------------------------------------------
+def fsdp_param_dtype(unit) -> torch.dtype | None:
+    """The `param_dtype` of the `MixedPrecisionPolicy` an FSDP2 unit was sharded with (None: its parameters')."""
+    from torch.distributed.fsdp import fully_shard
+
+    return attribute(fully_shard.state(unit), "_mp_policy", "FSDPState").param_dtype
+
+
 # pipelining schedules ---------------------------------------------------------------
 def schedule_microbatches(schedule) -> int:
     """The microbatch count a pipelining schedule was built with."""

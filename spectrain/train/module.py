@@ -81,6 +81,9 @@ class GRPOModule(L.LightningModule):
         self.policy = policy
         self.draft = (OnlineDraft(draft, DraftTraining.from_config(config.draft), draft_optimizer_state)
                       if draft is not None else None)
+        # the draft's weights are checkpointed, moved and sharded with the policy's (Lightning's state_dict);
+        # everything else of the draft is its owner's
+        self.draft_model = draft
         self.tokenizer = tokenizer
         self.reward_fn = reward_fn
         r = config.reward  # how errors name the reward: the configured one, or `reward` (a subclass's hook)
@@ -117,7 +120,7 @@ class GRPOModule(L.LightningModule):
     @property
     def schedules_policy_lr(self) -> bool:
         """Whether the policy's lr follows a schedule (`grpo.lr_scheduler`, `grpo.lr_warmup_steps`); the default
-        constant lr adds no scheduler, so its checkpoints are laid out as before the option existed."""
+        constant lr needs none."""
         g = self.config.grpo
         return g.lr_scheduler != "constant" or g.lr_warmup_steps > 0
 

@@ -61,6 +61,10 @@ class RunDir:
         if "warmstart_eval" not in record:
             raise RunDirError(f"{run_dir / MARKER} has no warm-start evaluation to resume {last} with; remove "
                               f"{last} to restart the run from its warm start, or choose another trainer.run_dir.")
+        if "sampled_reward_se" not in record["warmstart_eval"]:  # another version's record: not read
+            raise RunDirError(f"{run_dir / MARKER} records its warm-start evaluation without sampled_reward_se: it "
+                              f"was written by another spectrain version, whose runs are not resumed; choose another "
+                              f"trainer.run_dir.")
         return str(last), checkpoint_step(last)
 
     def create(self) -> None:
@@ -115,7 +119,7 @@ class RunDir:
         assert isinstance(now, dict)
         theirs, ours = _layout(before, self.config), _layout(now, self.config)
         if theirs - ours:  # another spectrain's keys: its runs are not read, not translated
-            self._refuse_layout(saved, theirs ^ ours)
+            self._refuse_layout(saved, theirs, ours)
         try:  # the types: a value the schema cannot hold
             OmegaConf.merge(OmegaConf.structured(SpecTrainConfig), before)
         except Exception as exc:  # omegaconf's message names the key
@@ -123,17 +127,20 @@ class RunDir:
                               f"{str(exc).strip().splitlines()[0]}); restore it, or choose another "
                               f"trainer.run_dir.") from exc
         if ours - theirs:
-            self._refuse_layout(saved, ours - theirs)
+            self._refuse_layout(saved, theirs, ours)
         for config in (before, now):
             for section, _, key in (k.partition(".") for k in self.RESUME_FREE_KEYS):
                 config[section].pop(key, None)
         return describe_differences(before, now) if before != now else None
 
     @staticmethod
-    def _refuse_layout(saved: Path, keys: set[str]) -> None:
-        shown = ", ".join(sorted(keys)[:5]) + (", ..." if len(keys) > 5 else "")
-        raise RunDirError(f"{saved} has another config layout than this spectrain's (keys only there or only here: "
-                          f"{shown}): it was started by another version; choose another trainer.run_dir.")
+    def _refuse_layout(saved: Path, theirs: set[str], ours: set[str]) -> None:
+        def some(keys: set[str]) -> str:
+            return ", ".join(sorted(keys)[:4]) + (", ..." if len(keys) > 4 else "") if keys else "none"
+
+        raise RunDirError(f"{saved} has another config layout than this spectrain's (keys only there: "
+                          f"{some(theirs - ours)}; only here: {some(ours - theirs)}): it was started by another "
+                          f"version; choose another trainer.run_dir.")
 
     def read_record(self) -> dict:
         """The run's marker file: what it recorded so far (creation time, warm-start evaluation, result)."""

@@ -14,6 +14,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal, TypeVar
 
 import lightning as L
 import torch
@@ -44,6 +45,8 @@ from spectrain.train.module import GRPOModule
 from spectrain.train.progress import PlainProgress, SpecProgressBar
 from spectrain.train.run_dir import RunDir, check_writable, drop_logged_steps
 from spectrain.train.warm_start import cached, policy_cache_key, sft_enabled, warm_start_policy, warmup_optimizer_state
+
+C = TypeVar("C", bound=Callback)  # `SpecTrainer._callback`
 
 
 class PromptStream(IterableDataset):
@@ -102,9 +105,8 @@ class FitResult:
     def summary(self) -> dict:
         gains = {f"{k}_gain": round(self.final_eval[k] - self.warmstart_eval[k], 4)
                  for k in ("greedy_reward", "sampled_reward")}
-        if "sampled_reward_se" in self.warmstart_eval:  # runs recorded before the eval had one lack it
-            gains["sampled_reward_gain_se"] = round(math.hypot(self.final_eval["sampled_reward_se"],
-                                                               self.warmstart_eval["sampled_reward_se"]), 4)
+        gains["sampled_reward_gain_se"] = round(math.hypot(self.final_eval["sampled_reward_se"],
+                                                           self.warmstart_eval["sampled_reward_se"]), 4)
         return {"run_dir": str(self.run_dir), "steps": self.steps, "seconds": round(self.seconds, 1),
                 "warmstart": self.warmstart_eval, "final": self.final_eval, **gains, "speed": self.speed,
                 "phases": self.phases}
@@ -125,11 +127,12 @@ class SpecTrainer:
         self.laps = Laps()  # the phases of `fit`, restarted when it starts
         self.module: GRPOModule | None = None
         self.trainer: L.Trainer | None = None
-        self.strategy = None  # SpecParallelStrategy when the run spans processes (build_strategy)
-        self.tokenizer = None  # these five: build_inputs
-        self.source = None
-        self.val_source = None  # data.val_files, if given
-        self._reward_fn = None
+        self.strategy: Any = None  # SpecParallelStrategy when the run spans processes (build_strategy)
+        # these four: build_inputs (from the hooks users override, so duck-typed)
+        self.tokenizer: Any = None
+        self.source: Any = None
+        self.val_source: Any = None  # data.val_files, if given
+        self._reward_fn: Any = None
         self.recipe_callbacks: list[Callback] = []  # trainer.callbacks, constructed
 
     # hooks users override ---------------------------------------------------------------
@@ -374,7 +377,7 @@ class SpecTrainer:
 
             stopper = self._callback(StopOnSignal)
             if stopper is not None and stopper.stopped_by:
-                raise stopper.interruption(self.trainer.global_step)
+                raise stopper.interruption(self.lightning_trainer.global_step)
             signals.phase = (f"the final sync, evaluation and export: training is done and {self.run.last_checkpoint} "
                              f"holds it (final/ appears only when complete)")
             self.sync_final_weights()
@@ -562,7 +565,8 @@ class SpecTrainer:
             processes = dict(strategy=self.strategy, devices=local, num_nodes=self.strategy.world_size // local,
                              use_distributed_sampler=False)
         # bf16: autocast over float32 master weights and optimizer state
-        precision = "bf16-mixed" if self.config.policy.dtype == "bfloat16" else "32-true"
+        bf16 = self.config.policy.dtype == "bfloat16"
+        precision: Literal["bf16-mixed", "32-true"] = "bf16-mixed" if bf16 else "32-true"
         trainer = L.Trainer(accelerator=t.accelerator, precision=precision, **processes, max_steps=t.max_steps,
                             logger=self.build_logger(),
                             callbacks=self.build_callbacks(), default_root_dir=str(self.run_dir),
@@ -578,7 +582,7 @@ class SpecTrainer:
         from spectrain.callbacks import WeightSync
 
         sync = self._callback(WeightSync) or WeightSync(check_alive=False)
-        sync.push(self.module, draft=self.module.draft is not None)
+        sync.push(self.grpo_module, draft=self.grpo_module.draft is not None)
 
     def eval_examples(self):
         """`eval.prompts` held-out prompts: from `data.val_files` (at most all of them), else drawn from the
@@ -590,21 +594,24 @@ class SpecTrainer:
 
     def evaluate(self, examples) -> dict[str, float]:
         """Held-out rewards on a fixed prompt set, through the engine (`GRPOModule.evaluate`)."""
-        return self.module.evaluate(examples, self.config.eval.samples)
+        return self.grpo_module.evaluate(examples, self.config.eval.samples)
 
     def final_evaluation(self, examples) -> dict[str, float]:
         """The trained policy's held-out rewards: `HeldOutEval`'s point for the last step if it took one."""
         from spectrain.callbacks import HeldOutEval
 
         held_out = self._callback(HeldOutEval)
-        if held_out is not None and held_out.history and held_out.history[-1]["step"] == self.trainer.global_step:
+        step = self.lightning_trainer.global_step
+        if held_out is not None and held_out.history and held_out.history[-1]["step"] == step:
             return {k: v for k, v in held_out.history[-1].items() if k not in ("step", "seconds")}
         return self.evaluate(examples)
 
     def history(self) -> list[dict]:
         from spectrain.callbacks import RunHistory
 
-        return self._callback(RunHistory).history
+        history = self._callback(RunHistory)
+        assert history is not None, "build_callbacks always adds RunHistory"
+        return history.history
 
     def speed(self, history: list[dict]) -> dict:
         """The run's speed figures (`run_speed`) over every step, also those before a resume."""
@@ -613,8 +620,19 @@ class SpecTrainer:
         held_out = self._callback(HeldOutEval)
         return run_speed(history, held_out.history if held_out is not None else [])
 
-    def _callback(self, cls: type[Callback]) -> Callback | None:
-        return next((c for c in self.trainer.callbacks if isinstance(c, cls)), None)
+    def _callback(self, cls: type[C]) -> C | None:
+        callbacks = self.lightning_trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's connector
+        return next((c for c in callbacks if isinstance(c, cls)), None)
+
+    @property
+    def grpo_module(self) -> GRPOModule:
+        assert self.module is not None, "fit() builds the module"
+        return self.module
+
+    @property
+    def lightning_trainer(self) -> L.Trainer:
+        assert self.trainer is not None, "fit() builds the Lightning trainer"
+        return self.trainer
 
     def export_models(self, policy, draft, out_dir: Path) -> tuple[Path, Path | None]:
         """The policy in HF format and the draft in vLLM's EAGLE-3 format."""
@@ -623,8 +641,9 @@ class SpecTrainer:
 
     def export_step(self, out_dir: Path | None) -> None:
         """The models of this step into `out_dir` on rank 0 (None elsewhere); collective under FSDP."""
-        draft_model = self.module.draft.model if self.module.draft is not None else None
-        policy, draft = (unsharded_copy(m, keep=out_dir is not None) for m in (self.module.policy, draft_model))
+        module = self.grpo_module
+        draft_model = module.draft.model if module.draft is not None else None
+        policy, draft = (unsharded_copy(m, keep=out_dir is not None) for m in (module.policy, draft_model))
         if out_dir is not None:
             self.export_models(policy, draft, out_dir)
 

@@ -260,6 +260,12 @@ ROWS = [
      lambda: write(f"existing/{RUN_MARKER}", "{}")),
     ("corrupt saved config", [*FIT, OLD], r"existing/config\.yaml cannot be read as a spectrain config",
      lambda: write("existing/config.yaml", "grpo: {lr: [1, 2]}\n")),
+    ("saved config of another version", [*FIT, OLD],
+     r"existing/config\.yaml has another config layout .*rollout\.group_size.*choose another trainer\.run_dir\.$",
+     lambda: write("existing/config.yaml", "rollout: {group_size: 8}\n")),
+    ("run record of another version", [*FIT, OLD],
+     rf"existing/{RUN_MARKER} records its warm-start evaluation without sampled_reward_se",
+     lambda: write(f"existing/{RUN_MARKER}", '{"warmstart_eval": {"greedy_reward": 0.5, "sampled_reward": 0.4}}')),
     ("calibrate into a foreign dir", ["calibrate", "tiny_cpu", "trainer.run_dir=foreign"],
      r"foreign exists and is not a spectrain run directory", lambda: write("foreign/notes.txt", "mine")),
     # warm-start cache

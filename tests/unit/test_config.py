@@ -199,7 +199,17 @@ def test_other_keys_under_verl_and_nemo_rl_sections_are_refused_as_theirs(overri
         load_config(None, [override])
 
 
+def test_the_reward_literal_names_every_registered_reward():
+    import typing
+
+    from spectrain.config.schema import RewardName
+    from spectrain.tasks.rewards import REWARD_FNS
+
+    assert set(typing.get_args(RewardName)) == set(REWARD_FNS)
+
+
 @pytest.mark.parametrize("key", ["policy.dtype", "policy.attention_backend", "task.name", "data.on_bad_row",
+                                 "reward.name",
                                  "rollout.engine", "rollout.engine_ranks", "rollout.dtype", "grpo.loss_agg_mode",
                                  "grpo.kl_loss_type", "grpo.lr_scheduler", "draft.mode", "draft.init",
                                  "draft.loss_kernel", "parallel.pp_schedule", "speculation.mode",
@@ -239,8 +249,8 @@ def test_a_run_directory_in_another_layout_is_refused_in_one_line(tmp_path):
     old = OmegaConf.to_container(OmegaConf.structured(config))
     old["rollout"]["group_size"] = old["rollout"].pop("n")
     (tmp_path / "run" / "config.yaml").write_text(OmegaConf.to_yaml(old))
-    with pytest.raises(RunDirError, match=r"another config layout .*rollout\.group_size, rollout\.n\).*another "
-                                          r"trainer\.run_dir\.$") as info:
+    with pytest.raises(RunDirError, match=r"another config layout .*only there: rollout\.group_size; only here: "
+                                          r"rollout\.n\).*another trainer\.run_dir\.$") as info:
         run._check_same_config()
     assert "\n" not in str(info.value)
 

@@ -232,7 +232,7 @@ def test_dynamic_sampling_drops_the_groups_of_equal_rewards(one_thread):
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
 def test_constant_lr_adds_no_scheduler_and_a_schedule_resumes():
     module = GRPOModule(load_config(None, []), tiny_policy(), None, CharTokenizer(), reward_fn=None)
-    assert isinstance(module.configure_optimizers(), torch.optim.AdamW)  # today's layout: old checkpoints load
+    assert isinstance(module.configure_optimizers(), torch.optim.AdamW)  # a constant lr: no scheduler
     _, _, scheds = bare_module(["grpo.lr_scheduler=cosine", "grpo.lr_warmup_steps=2", "trainer.max_steps=10"])
     for _ in range(5):
         scheds[0].step()

@@ -18,7 +18,7 @@ from spectrain.config import load_config
 from spectrain.errors import ConfigError
 from spectrain.rollout.engine import Completion, LoadStats, SpecDecodeCounters
 from spectrain.tasks.tokenizer import CharTokenizer
-from spectrain.train.module import RolloutStats, StepResult
+from spectrain.train.step import PolicyReport, RolloutStats, StepResult
 from spectrain.train.trainer import SpecTrainer
 
 PROMPTS, COMPLETIONS = ["12+3=", "7*8="], ["15", "56", "14", "5"]  # group size 2: completions 0, 1 of prompt 0
@@ -30,7 +30,8 @@ def step_result(step: int, tokenizer, drafts: int = 4, accepted: int = 6) -> Ste
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
     batch = build_rollout_batch(completions, torch.tensor([1.0, -1.0, -1.0, 1.0]))
     spec = SpecDecodeCounters(drafts, 4 * drafts, accepted, [accepted])
-    return StepResult(step, RolloutStats(1.0, 4, 10, spec, LoadStats()), rewards, batch, 1, 0.1, 1.0, 0.0, 0.0, 0.0)
+    return StepResult(step, RolloutStats(1.0, 4, 10, spec, LoadStats()), rewards, batch,
+                      PolicyReport(1, 0.1, 1.0, 0.0, 0.0, 0.0, 1e-5))
 
 
 def fake_trainer(run_dir, loggers, global_step=0):

@@ -30,6 +30,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Pipeli
 
 from spectrain.config.schema import PP_STAGES_PER_RANK
 from spectrain.models.llama import CausalLMOutput
+from spectrain.parallel.fsdp import compute_dtype
 from spectrain.parallel.pp.stages import (
     EMBEDS_TAP,
     PolicyStage,
@@ -136,7 +137,7 @@ def make_tap_channel(stage: PolicyStage, tap_group: dist.ProcessGroup, tokens_pe
     cfg, param = stage.cfg, next(stage.parameters())
     tap_names = tap_names_by_stage(cfg.num_hidden_layers, stage.num_stages, stage.tap_layers)
     return transport(tap_group, tap_names, stage.num_stages - 1, hidden_size=cfg.hidden_size,
-                     capacity_tokens=tokens_per_microbatch, dtype=param.dtype, device=param.device,
+                     capacity_tokens=tokens_per_microbatch, dtype=compute_dtype(stage), device=param.device,
                      ring_size=ring_size)
 
 
@@ -209,7 +210,7 @@ class PipelineRunner:
         self._microbatches: list[Any] = []
 
         param = next(stages[0].parameters())
-        self.device, dtype = param.device, param.dtype
+        self.device, dtype = param.device, compute_dtype(stages[0])  # bf16 activations of float32 shards
         t, h, v = tokens_per_microbatch, stages[0].cfg.hidden_size, stages[0].cfg.vocab_size
         pipe_stages = []
         for s in stages:
