@@ -13,6 +13,7 @@ import os
 import re
 from importlib import resources
 from pathlib import Path
+from typing import Any, cast
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -73,14 +74,14 @@ def _unknown_paths(layer: DictConfig, schema: DictConfig | None, prefix: str = "
     """The dotted paths of the values in `layer` that the schema has no key for (the free-form mappings, such as
     rollout.vllm_kwargs, take any key)."""
     for key in layer.keys():
-        full = f"{prefix}{key}"
+        full = prefix + str(key)
         known = schema is not None and key in schema
         child = layer._get_node(key)
-        inner = schema._get_node(key) if known else None
+        inner = schema._get_node(key) if schema is not None and known else None
         if known and not (isinstance(inner, DictConfig) and is_structured_config(inner._metadata.object_type)):
             continue  # a schema value, or a free-form mapping
         if isinstance(child, DictConfig) and not (child._is_none() or child._is_missing() or child._is_interpolation()):
-            yield from _unknown_paths(child, inner, f"{full}.")
+            yield from _unknown_paths(child, inner if isinstance(inner, DictConfig) else None, f"{full}.")
         elif not known:
             yield full
 
@@ -96,7 +97,9 @@ def _refuse_known_names(layer: DictConfig, schema: DictConfig, origin: str) -> N
 def _merge(base: DictConfig, layer: DictConfig, origin: str) -> DictConfig:
     _refuse_known_names(layer, base, origin)
     try:
-        return OmegaConf.merge(base, layer)
+        merged = OmegaConf.merge(base, layer)
+        assert isinstance(merged, DictConfig)
+        return merged
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or _mistyped_section(base, layer)
         reason = _merge_reason(exc)
@@ -128,7 +131,7 @@ def _merge_reason(exc: OmegaConfBaseException) -> str:
 def _leaf_keys(node: DictConfig, prefix: str = "") -> set[str]:
     keys = set()
     for key in node.keys():
-        full = f"{prefix}{key}"
+        full = prefix + str(key)
         if OmegaConf.is_missing(node, key):
             continue
         value = node._get_node(key)  # unresolved: interpolations resolve once, in to_object
@@ -139,8 +142,9 @@ def _leaf_keys(node: DictConfig, prefix: str = "") -> set[str]:
 def _missing_keys(node: DictConfig | ListConfig, prefix: str = "") -> set[str]:
     """The `???` keys under `node`, found without resolving it: a layer's interpolations may point into others
     (omegaconf's `missing_keys` resolves them, and fails on those)."""
+    children: list[tuple[str, Any]]  # omegaconf's nodes
     if isinstance(node, DictConfig):
-        children = [(f"{prefix}.{k}" if prefix else str(k), node._get_node(k)) for k in node.keys()]
+        children = [(f"{prefix}.{k!s}" if prefix else str(k), node._get_node(k)) for k in node.keys()]
     else:
         children = [(f"{prefix}[{i}]", node._get_node(i)) for i in range(len(node))]
     keys = set()
@@ -225,7 +229,9 @@ def _escape_env_braces(layer: DictConfig) -> None:
         section = layer._get_node(section_name)
         if not isinstance(section, DictConfig) or section._is_none() or section._is_missing():
             continue
-        raw = OmegaConf.to_container(section, resolve=False).get(name)
+        container = OmegaConf.to_container(section, resolve=False)
+        assert isinstance(container, dict)
+        raw = container.get(name)
         escaped = [_escape_braces(item) for item in raw] if isinstance(raw, list) else _escape_braces(raw)
         if escaped != raw:
             section[name] = escaped
@@ -333,7 +339,7 @@ def load_config(recipe: str | None = None, overrides: list[str] | None = None) -
         raise ConfigError(f"required values are missing (???): {missing}; set them in the recipe "
                           f"or on the command line, e.g. {missing[0]}=...")
     try:
-        config: SpecTrainConfig = OmegaConf.to_object(cfg)
+        config = cast(SpecTrainConfig, OmegaConf.to_object(cfg))
     except OmegaConfBaseException as exc:  # an interpolation that does not resolve
         reason = _first_line(exc).split("resolving interpolation: ")[-1]
         raise ConfigError(f"{getattr(exc, 'full_key', '?')}: {reason}") from exc

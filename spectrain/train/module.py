@@ -297,7 +297,7 @@ class GRPOModule(L.LightningModule):
         torch.manual_seed(zlib.crc32(f"{self.config.trainer.seed}:{purpose}:{self.global_step}".encode()))
 
     @override
-    def training_step(self, examples, batch_idx):
+    def training_step(self, examples: list, batch_idx: int) -> dict:
         """One GRPO step, phase by phase (`PHASES`), each timed: the rollout on the engines (which then sleep, with
         rollout.enable_sleep_mode), its rewards, the group advantages, the policy updates (their first epoch's
         forwards hand the draft's taps to the draft updater), the draft update, and the weight sync."""
