@@ -142,7 +142,7 @@ def planner_estimate(config, policy) -> dict:
     phases = {POLICY: {**held, "activations": plan.activations, "logits": plan.logits},
               DRAFT: {**held, "draft_activations": draft_update_bytes(x.draft, x.precision, x.tokens, x.ttt_passes)}}
     totals = {phase: sum(rows.values()) for phase, rows in phases.items()}
-    table = plan.total - plan.parameters - plan.optimizer - (plan.draft - draft_gradients) - plan.engine - plan.reserved
+    table = plan.training - plan.parameters - plan.optimizer - (plan.draft - draft_gradients) - plan.reserved
     assert max(totals.values()) == table, (totals, table)  # the same rows as `spectrain plan` adds up
     return {"phases": phases, "phase_totals": totals, "total": table, "micro_batch_tokens": x.tokens}
 

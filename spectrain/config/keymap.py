@@ -71,6 +71,7 @@ VERL_KEYS = {
     f"{_ARR}.actor.ulysses_sequence_parallel_size": "parallel.cp",
     f"{_ARR}.actor.megatron.pipeline_model_parallel_size": "parallel.pp",
     f"{_ARR}.actor.fsdp_config.dtype": "policy.dtype",
+    f"{_ARR}.ref.fsdp_config.model_dtype": "grpo.reference_dtype",
     f"{_ARR}.actor.checkpoint.save_contents": "trainer.export_every_n_steps",
     f"{_ARR}.model.path": "policy.path",
     f"{_ARR}.model.tokenizer_path": "tokenizer.path",

@@ -169,6 +169,9 @@ class GRPOConfig:
     clip_ratio_high: float | None = None  # DAPO's clip-higher, e.g. 0.28; None: clip_ratio
     norm_adv_by_std_in_grpo: bool = True  # false: Dr. GRPO's A = r - mean (verl's algorithm.norm_adv_by_std_in_grpo)
     kl_loss_type: KlLossType = "k3"  # verl's actor.kl_loss_type (k3: unclamped; low_var_kl: k3 clamped to [-10, 10])
+    # the frozen KL reference's weights: bfloat16 halves them (verl's actor_rollout_ref.ref.fsdp_config.model_dtype,
+    # NeMo-RL's policy.precision); float32: a full-precision copy of the warm start
+    reference_dtype: PolicyDtype = "float32"
     overlong_buffer_len: int = 0  # DAPO overlong shaping over the last N of rollout.response_length; 0: off
     overlong_penalty_factor: float = 1.0  # the penalty at rollout.response_length tokens
     lr_scheduler: LrScheduler = "constant"  # linear | cosine: to 0 at trainer.max_steps; stepped per GRPO step

@@ -261,6 +261,7 @@ def _check_grpo_options(c: SpecTrainConfig) -> None:
     g, r = c.grpo, c.rollout
     _one_of(g.loss_agg_mode, "grpo.loss_agg_mode", LossAggMode)
     _one_of(g.kl_loss_type, "grpo.kl_loss_type", KlLossType)
+    _one_of(g.reference_dtype, "grpo.reference_dtype", PolicyDtype)
     _one_of(g.lr_scheduler, "grpo.lr_scheduler", LrScheduler)
     for key in ("clip_ratio_low", "clip_ratio_high"):
         value = getattr(g, key)

@@ -3,9 +3,32 @@
 The plan is for the busiest GPU: one that holds its training share and also hosts a rollout engine (vLLM runs
 inside the trainer's processes: one engine per TP group of `rollout.tensor_parallel_size` GPUs, so every GPU
 hosts its part of one; `rollout.engine_ranks=rank0` and the torch engine keep
-one engine on rank 0). Every row is in bytes and the total is their plain sum: what is resident at the policy
-backward's peak (the start of a micro-batch's backward), where the micro-batch's activations, one logits chunk
-and the draft's inputs are live at once. Nothing is measured: the numbers are these formulas on the checkpoint's
+one engine on rank 0). Every row is in bytes. The training phase is the sum of every row but the engine: what is
+resident at the policy backward's peak (the start of a micro-batch's backward), where the micro-batch's
+activations, one logits chunk and the draft's inputs are live at once. The total (the device peak) is
+
+    without sleep mode    training phase + engine share               (the engine keeps its share through the step)
+    with sleep mode       max(training phase, rollout phase)          (the share is free while the policy trains)
+    rollout phase         engine share + parameters + optimizer + reference + draft + reserve
+
+(the gradients are set to None after each optimizer step and the activations are gone while the engine
+decodes). `rollout.enable_sleep_mode` None is on with CUDA (off only under `trainer.accelerator=cpu`), as the
+trainer resolves it; vLLM only. Sleep level 1 offloads the engine's weights to host memory: the plan reports
+weight shard x the node's GPUs hosting an engine (min(ranks, 8), or 1 with one engine on rank 0) a node.
+
+A plan fits when its total is at most the GPU's memory AND the vLLM engine's share holds its weight shard plus a
+minimum KV cache (vLLM refuses to start otherwise):
+
+    weight shard     ceil(P_all x b / TP)                        P_all the whole policy's parameters, b the rollout
+                                                                 dtype's bytes (auto: policy.dtype), TP its size
+    KV per token     2 x L_all x ceil(kv_heads / TP) x head_dim x b    (a key and a value per layer; vLLM
+                                                                 replicates kv heads when TP > kv_heads)
+    minimum KV       KV per token x rollout.max_model_len x N    N = rollout.vllm_kwargs.max_num_seqs if set,
+                                                                 else 1 (one full sequence: vLLM's start check)
+
+E.g. Qwen2.5-32B (32,763,876,352 parameters, 64 layers, 8 kv heads of 128) at TP=1 in bf16: 61.03 GiB of
+weights + 2 x 64 x 8 x 128 x 2 = 262,144 B a token x 2048 = 0.50 GiB: a 0.4 x 80 = 32 GiB share does not hold
+it. Nothing is measured: the numbers are these formulas on the checkpoint's
 `config.json` (no weights are read) or the toy `policy.*`.
 
 Notation: P parameters (the heaviest pipeline stage's), S the FSDP shard count (dp x cp with
@@ -14,7 +37,8 @@ H hidden, Q = heads x head_dim, K = kv_heads x head_dim, I intermediate, V vocab
 
 Training state, AdamW over float32 master weights (also under `policy.dtype=bfloat16`: Lightning's
 bf16-mixed): parameters 4P/S, gradients 4P/S, optimizer state 8P/S (two float32 moments). The KL reference
-(`grpo.kl_loss_coef > 0`) is a frozen float32 copy, sharded like the policy: 4P/S. The draft (`Eagle3Config`):
+(`grpo.kl_loss_coef > 0`) is a frozen copy in `grpo.reference_dtype`, sharded like the policy: 4P/S in float32
+(the default), 2P/S in bfloat16 (verl's and NeMo-RL's bf16 reference). The draft (`Eagle3Config`):
 fc 3H x H, one decoder layer whose q/k/v read 2H inputs, 4 RMSNorms, lm_head H x Vd (the embedding is the
 policy's, frozen): 16 bytes a parameter co-trained (weights, gradients, two moments), 4 frozen, over S.
 
@@ -67,8 +91,16 @@ Under pp a rank holds its stages' layers for the whole micro-batch (GPipe's boun
 plan is the pipeline rank with the largest total.
 
 The engine: vLLM takes `rollout.gpu_memory_utilization` x the GPU's memory on each GPU it runs on (weights and
-KV cache, for the whole run); `rollout.engine=torch` holds a copy of the policy in the rollout dtype. A fixed
-`RESERVED_BYTES` (2 GiB) covers the CUDA context, NCCL's buffers and the allocator's slack.
+KV cache; freed while the policy trains under sleep mode); `rollout.engine=torch` holds a copy of the policy in the
+rollout dtype. A fixed `RESERVED_BYTES` (2 GiB) covers the CUDA context, NCCL's buffers and the allocator's slack.
+Not counted in the engine's needs: vLLM's CUDA graphs and its sampler's activations (inside its share's KV room).
+
+Suggestions (`suggest_fixes`): the smallest change that fits. The GPU levers, as layouts ordered by GPUs then
+engine TP: parallel.dp doubled with parallel.fsdp=true (more nodes of 8), under pp more pipeline ranks, and
+rollout.tensor_parallel_size doubled up to 8; on each layout the same-GPU keys (FSDP, checkpointing, the
+micro-batch, the draft vocabulary, rollout.gpu_memory_utilization: raised to the smallest share that holds the
+engine, or lowered to the largest that fits) are applied, largest row first. Every candidate is re-planned and
+validated and kept only if it fits; among those on the fewest GPUs the one with the fewest keys wins.
 
 Not counted, because they come after the backward has freed more than they need: the optimizer step's
 temporaries and the gradient all-reduce's buffers.
@@ -97,8 +129,9 @@ RESERVED_BYTES = 2 * GIB  # CUDA context, NCCL buffers, allocator slack
 MICRO_BATCH_STEP = 1024  # suggested grpo.micro_batch_tokens are multiples of this
 MICRO_BATCH_TARGET = 16384  # suggested when no micro-batch fits alone: enough tokens to keep an 8B's matmuls busy
 SUGGESTED_DRAFT_VOCAB = 32000  # SpecForge's and vLLM's EAGLE-3 drafts for Llama 3 and Qwen3
-ENGINE_HEADROOM = 1.25  # vLLM needs its weights and a KV cache: never suggest a share below 1.25 x its weights
 MAX_SUGGESTED_DP = 1024
+MAX_SUGGESTED_TP = 8  # an engine's TP group stays within one node
+GPUS_PER_NODE = 8  # the node the host-memory row and the suggestions' node counts assume
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 ITEMS = {  # MemoryPlan field -> its row in the table; the total is their sum
@@ -106,7 +139,7 @@ ITEMS = {  # MemoryPlan field -> its row in the table; the total is their sum
     "gradients": "gradients (float32)",
     "optimizer": "optimizer state (AdamW: 2 float32 moments)",
     "gathered": "gathered weights (FSDP units / autocast copies)",
-    "reference": "KL reference policy (frozen, float32)",
+    "reference": "KL reference policy (frozen, grpo.reference_dtype)",
     "draft": "draft (EAGLE-3) + its optimizer",
     "activations": "activations",
     "logits": "logits chunk beyond the layers' backward + lm_head grad (float32)",
@@ -115,6 +148,9 @@ ITEMS = {  # MemoryPlan field -> its row in the table; the total is their sum
     "engine": "rollout engine",
     "reserved": "CUDA context, NCCL, allocator slack",
 }
+
+
+RESIDENT = ("parameters", "optimizer", "reference", "draft")  # kept on the GPU through the rollout (sleep mode)
 
 
 @dataclass(frozen=True)
@@ -158,6 +194,15 @@ class PlanInputs:
     engine: int
     engine_note: str
     gpu_memory: int
+    reference_bytes: int = FP32  # per parameter of the KL reference (grpo.reference_dtype)
+    engine_vllm: bool = False  # the engine row is a vLLM share that must hold `engine_weights` + `engine_kv_min`
+    engine_tp: int = 1
+    engine_weights: int = 0  # the engine's weight shard on this GPU: rollout-dtype parameters / TP
+    engine_kv_token: int = 0  # its KV cache per token on this GPU
+    engine_kv_sequences: int = 1  # full max_model_len sequences the minimum KV cache holds
+    engine_kv_min: int = 0  # engine_kv_token x max_model_len x engine_kv_sequences
+    sleep: bool = False  # vLLM's sleep mode: the engine's share is free while the policy trains
+    host_per_node: int = 0  # host memory a node needs for the engines' offloaded weights (sleep level 1)
 
 
 @dataclass(frozen=True)
@@ -182,20 +227,52 @@ class MemoryPlan:
     inputs: PlanInputs
 
     @property
+    def training(self) -> int:
+        """The training phase's peak: every row but the engine (the policy backward's peak, with the reserve)."""
+        return sum(getattr(self, name) for name in ITEMS if name != "engine")
+
+    @property
+    def rollout(self) -> int:
+        """The rollout phase under sleep mode: the engine's whole share, the state that stays on the GPU through the
+        rollout (`RESIDENT`: weights, optimizer, reference, draft; the gradients are set to None after each
+        optimizer step, the activations are gone) and the reserve."""
+        return self.engine + sum(getattr(self, name) for name in RESIDENT) + self.reserved
+
+    @property
     def total(self) -> int:
-        return sum(getattr(self, name) for name in ITEMS)
+        """The device peak: with sleep mode the engine's share is free while the policy trains, so the peak is
+        max(training phase, rollout phase); without it the engine keeps its share through the step: their sum."""
+        if self.inputs.sleep:
+            return max(self.training, self.rollout)
+        return self.training + self.engine
 
     @property
     def gpu_memory(self) -> int:
         return self.inputs.gpu_memory
 
     @property
+    def engine_needs(self) -> int:
+        """What the engine's share must hold: its weight shard and the minimum KV cache (vLLM only)."""
+        x = self.inputs
+        return x.engine_weights + x.engine_kv_min if x.engine_vllm else 0
+
+    @property
+    def engine_holds(self) -> bool:
+        """Whether the engine's share holds its weight shard and the minimum KV cache (vLLM refuses to start
+        otherwise)."""
+        return self.engine_needs <= self.engine
+
+    @property
     def fits(self) -> bool:
-        return self.total <= self.gpu_memory
+        return self.total <= self.gpu_memory and self.engine_holds
 
     def largest(self) -> list[str]:
-        """The rows from the largest down: what to shrink first."""
-        return sorted(ITEMS, key=lambda name: -getattr(self, name))
+        """The rows of the peak from the largest down: what to shrink first (under sleep mode, those of its
+        peak phase: the training rows, or the engine and the resident state)."""
+        rows = list(ITEMS)
+        if self.inputs.sleep:
+            rows = [n for n in ITEMS if n != "engine"] if self.training >= self.rollout else ["engine", *RESIDENT]
+        return sorted(rows, key=lambda name: -getattr(self, name))
 
 
 # ---------------------------------------------------------------- parameters
@@ -373,6 +450,41 @@ def precision(config: SpecTrainConfig) -> Precision:
     return Precision(residual=2 if config.parallel.fsdp else 4, compute=2)
 
 
+def rollout_dtype_bytes(config: SpecTrainConfig) -> int:
+    r = config.rollout
+    return DTYPE_BYTES[config.policy.dtype if r.dtype == "auto" else r.dtype]
+
+
+def engine_weight_bytes(policy: LlamaConfig, dtype_bytes: int, tp: int) -> int:
+    """The engine's weights on one GPU of its TP group: every parameter in the rollout dtype over TP (vLLM shards
+    the layers' matmuls and the vocabulary-parallel embedding and lm_head; the replicated norms are negligible)."""
+    return math.ceil(policy_parameters(policy) * dtype_bytes / tp)
+
+
+def kv_bytes_per_token(policy: LlamaConfig, dtype_bytes: int, tp: int) -> int:
+    """vLLM's KV cache per token on one GPU of its TP group: a key and a value (2) per layer, for the GPU's
+    ceil(kv_heads / TP) kv heads (vLLM replicates them when TP > kv_heads), of head_dim elements in the cache's
+    dtype (the rollout dtype): 2 x L x ceil(kv_heads / TP) x head_dim x bytes."""
+    kv_heads = math.ceil(policy.num_key_value_heads / tp)
+    return 2 * policy.num_hidden_layers * kv_heads * policy.head_dim * dtype_bytes
+
+
+def engine_kv_sequences(config: SpecTrainConfig) -> int:
+    """Full `rollout.max_model_len` sequences the minimum KV cache must hold: `rollout.vllm_kwargs.max_num_seqs`
+    when set (all of them at once), else 1 (vLLM refuses to start when its cache cannot hold one
+    max_model_len sequence; it runs more sequences by preempting)."""
+    return int(config.rollout.vllm_kwargs.get("max_num_seqs", 1))
+
+
+def sleep_mode(config: SpecTrainConfig) -> bool:
+    """`rollout.enable_sleep_mode` resolved as the trainer resolves it: None is on with CUDA, off on CPU (a plan is
+    for a GPU: off only under trainer.accelerator=cpu); vLLM only."""
+    r = config.rollout
+    if r.engine != "vllm":
+        return False
+    return r.enable_sleep_mode if r.enable_sleep_mode is not None else config.trainer.accelerator != "cpu"
+
+
 def engine_share(config: SpecTrainConfig, policy: LlamaConfig, gpu_memory: int) -> tuple[int, str]:
     """What the rollout engine takes of a GPU that hosts it, and how that was computed."""
     r = config.rollout
@@ -384,14 +496,26 @@ def engine_share(config: SpecTrainConfig, policy: LlamaConfig, gpu_memory: int) 
 
 def plan_inputs(config: SpecTrainConfig, policy: LlamaConfig, draft: Eagle3Config | None, share: StageShare,
                 gpu_memory: int) -> PlanInputs:
-    par = config.parallel
+    par, r = config.parallel, config.rollout
     engine, note = engine_share(config, policy, gpu_memory) if share.engine else (0, "on pipeline rank 0")
+    vllm = share.engine and r.engine == "vllm"
+    dtype_bytes, tp = rollout_dtype_bytes(config), r.tensor_parallel_size
+    weights = engine_weight_bytes(policy, dtype_bytes, tp) if vllm else 0
+    kv_token = kv_bytes_per_token(policy, dtype_bytes, tp) if vllm else 0
+    sequences = engine_kv_sequences(config)
+    sleep = vllm and sleep_mode(config)
+    world = par.dp * par.cp * par.pp
+    engine_gpus = min(world, GPUS_PER_NODE) if engines_on_every_rank(config) else 1
     return PlanInputs(
         policy=policy, draft=draft if share.head else None, draft_trained=config.draft.mode == "cotrained",
         share=share, shards=par.dp * par.cp if par.fsdp else 1, fsdp=par.fsdp, precision=precision(config),
         tokens=micro_batch_tokens(config), minibatch_tokens=minibatch_tokens_per_rank(config),
         checkpointing=config.policy.activation_checkpointing, reference=config.grpo.kl_loss_coef > 0,
-        ttt_passes=config.draft.ttt_passes, engine=engine, engine_note=note, gpu_memory=gpu_memory)
+        ttt_passes=config.draft.ttt_passes, engine=engine, engine_note=note, gpu_memory=gpu_memory,
+        reference_bytes=DTYPE_BYTES[config.grpo.reference_dtype], engine_vllm=vllm, engine_tp=tp,
+        engine_weights=weights, engine_kv_token=kv_token, engine_kv_sequences=sequences,
+        engine_kv_min=kv_token * r.max_model_len * sequences, sleep=sleep,
+        host_per_node=weights * engine_gpus if sleep else 0)
 
 
 def gathered_bytes(x: PlanInputs) -> int:
@@ -402,7 +526,8 @@ def gathered_bytes(x: PlanInputs) -> int:
     if not x.fsdp:
         return stage_parameters(x.policy, x.share) * 2 if c == 2 else 0
     gathered = root_parameters(x.policy, x.share) + 2 * layer
-    return c * (gathered + layer + (gathered if x.reference else 0))
+    reference = min(c, x.reference_bytes) * gathered if x.reference else 0  # a bf16 reference gathers in bf16
+    return c * (gathered + layer) + reference
 
 
 def draft_gathered_bytes(x: PlanInputs) -> int:
@@ -445,7 +570,8 @@ def plan_memory(x: PlanInputs) -> MemoryPlan:
     weights = _sharded(FP32, params, x.shards)
     return MemoryPlan(
         parameters=weights, gradients=weights, optimizer=_sharded(ADAMW_BYTES, params, x.shards), gathered=gathered,
-        reference=weights if x.reference else 0, draft=draft_state_bytes(x), activations=activations,
+        reference=_sharded(x.reference_bytes, params, x.shards) if x.reference else 0, draft=draft_state_bytes(x),
+        activations=activations,
         logits=logits, draft_inputs=draft_inputs, draft_update=draft_update, engine=x.engine,
         reserved=RESERVED_BYTES, activations_full=full, activations_checkpointed=checkpointed, inputs=x)
 
@@ -547,35 +673,6 @@ def _shard(config: SpecTrainConfig, policy: LlamaConfig, gpu_memory: int) -> Ove
     return None if par.fsdp or par.dp * par.cp == 1 else {"parallel.fsdp": True}  # under pp: each stage sharded
 
 
-def _more_ranks(config: SpecTrainConfig, policy: LlamaConfig, gpu_memory: int) -> Overrides | None:
-    """The fewest data-parallel ranks (doubling) that shard the state enough, if any do."""
-    par = config.parallel
-    if par.pp > 1:
-        return None
-    dp = par.dp * 2
-    while dp <= MAX_SUGGESTED_DP:
-        overrides: Overrides = {"parallel.dp": dp, "parallel.fsdp": True}
-        if _fits(config, policy, gpu_memory, overrides):
-            return overrides
-        dp *= 2
-    return None
-
-
-def _more_stages(config: SpecTrainConfig, policy: LlamaConfig, gpu_memory: int) -> Overrides | None:
-    """Under pp: the fewest pipeline ranks that split the state enough."""
-    par = config.parallel
-    if par.pp == 1:
-        return None
-    stages_per_rank = PP_STAGES_PER_RANK[par.pp_schedule]
-    for pp in range(par.pp + 1, policy.num_hidden_layers // stages_per_rank + 1):
-        enough = math.ceil(max(par.microbatches, pp * stages_per_rank) / pp) * pp  # 1F1B: a microbatch per stage
-        candidates: tuple[Overrides, ...] = ({"parallel.pp": pp}, {"parallel.pp": pp, "parallel.microbatches": enough})
-        for overrides in candidates:
-            if _fits(config, policy, gpu_memory, overrides):
-                return overrides
-    return None
-
-
 def _draft_vocab(config: SpecTrainConfig, policy: LlamaConfig, gpu_memory: int) -> Overrides | None:
     d = config.draft
     if d.init != "scratch" or d.draft_vocab_size is not None or policy.vocab_size <= SUGGESTED_DRAFT_VOCAB:
@@ -583,38 +680,51 @@ def _draft_vocab(config: SpecTrainConfig, policy: LlamaConfig, gpu_memory: int) 
     return {"draft.draft_vocab_size": SUGGESTED_DRAFT_VOCAB}
 
 
-def _smaller_engine_share(config: SpecTrainConfig, policy: LlamaConfig, gpu_memory: int) -> Overrides | None:
-    """The largest `rollout.gpu_memory_utilization` (in 0.01 steps) that fits, if it leaves vLLM its weights
-    and a KV cache."""
+def engine_share_needed(config: SpecTrainConfig, policy: LlamaConfig, gpu_memory: int) -> float:
+    """The smallest `rollout.gpu_memory_utilization` (in 0.01 steps) that holds the engine's weight shard and the
+    minimum KV cache."""
+    tp, dtype_bytes = config.rollout.tensor_parallel_size, rollout_dtype_bytes(config)
+    kv = kv_bytes_per_token(policy, dtype_bytes, tp) * config.rollout.max_model_len * engine_kv_sequences(config)
+    return math.ceil(100 * (engine_weight_bytes(policy, dtype_bytes, tp) + kv) / gpu_memory) / 100
+
+
+def _engine_share(config: SpecTrainConfig, policy: LlamaConfig, gpu_memory: int) -> Overrides | None:
+    """The largest `rollout.gpu_memory_utilization` (in 0.01 steps) that fits, if it still holds the engine's
+    weights and minimum KV cache; or the smallest that holds them, if the current one does not."""
     r = config.rollout
     if r.engine != "vllm":
         return None
     plan = plan_config(config, gpu_memory, policy)
-    share = math.floor(100 * (gpu_memory - (plan.total - plan.engine)) / gpu_memory) / 100
-    dtype = config.policy.dtype if r.dtype == "auto" else r.dtype
-    weights = policy_parameters(policy) * DTYPE_BYTES[dtype] / r.tensor_parallel_size
-    if share >= r.gpu_memory_utilization or share * gpu_memory < ENGINE_HEADROOM * weights:
+    needed = engine_share_needed(config, policy, gpu_memory)
+    if not plan.engine_holds:
+        return {"rollout.gpu_memory_utilization": needed} if needed <= MAX_ENGINE_SHARE else None
+    rest = plan.training if not plan.inputs.sleep else plan.rollout - plan.engine
+    share = math.floor(100 * (gpu_memory - rest) / gpu_memory) / 100
+    if share >= r.gpu_memory_utilization or share < needed:
         return None
     return {"rollout.gpu_memory_utilization": share}
 
 
-FIXERS: dict[str, tuple[Fixer, ...]] = {  # each row -> the keys that shrink it, in the order to try them
-    "parameters": (_shard, _more_ranks, _more_stages),
-    "gradients": (_shard, _more_ranks, _more_stages),
-    "optimizer": (_shard, _more_ranks, _more_stages),
-    "reference": (_shard, _more_ranks),
+FIXERS: dict[str, tuple[Fixer, ...]] = {  # each row -> the keys of the same GPUs that shrink it, in order to try
+    "parameters": (_shard,),
+    "gradients": (_shard,),
+    "optimizer": (_shard,),
+    "reference": (_shard,),
     "draft": (_shard, _draft_vocab),
     "activations": (_checkpointing, _smaller_micro_batch),
     "logits": (_smaller_micro_batch,),
     "draft_inputs": (_smaller_micro_batch, _draft_vocab),
     "draft_update": (_smaller_micro_batch,),
-    "engine": (_smaller_engine_share,),
+    "engine": (_engine_share,),
 }
+MAX_ENGINE_SHARE = 0.95  # the largest rollout.gpu_memory_utilization a suggestion sets
 
 
 def _next_fix(config: SpecTrainConfig, policy: LlamaConfig, gpu_memory: int, plan: MemoryPlan) -> Overrides | None:
-    """The first key that shrinks the largest row it can shrink."""
-    for item in plan.largest():
+    """The first key that shrinks the largest row it can shrink (the engine first when it cannot hold its
+    weights)."""
+    rows = (["engine"] if not plan.engine_holds else []) + plan.largest()
+    for item in rows:
         for fixer in FIXERS.get(item, ()):
             change = fixer(config, policy, gpu_memory)
             if change and _valid(with_overrides(config, change)):
@@ -622,13 +732,11 @@ def _next_fix(config: SpecTrainConfig, policy: LlamaConfig, gpu_memory: int, pla
     return None
 
 
-def suggest_fixes(config: SpecTrainConfig, gpu_memory: int, policy: LlamaConfig | None = None
-                  ) -> tuple[Overrides, MemoryPlan]:
-    """Keys to change, largest row first, until the plan fits or nothing is left to change. Returns them and the
-    plan they give."""
-    policy = policy or policy_architecture(config)
-    applied: Overrides = {}
-    plan = plan_config(config, gpu_memory, policy)
+def _same_gpus(config: SpecTrainConfig, policy: LlamaConfig, gpu_memory: int, applied: Overrides
+               ) -> tuple[Overrides, MemoryPlan]:
+    """From `applied`, keys of the same GPUs (`FIXERS`), largest row first, until the plan fits or none is left."""
+    applied = dict(applied)
+    plan = plan_config(with_overrides(config, applied), gpu_memory, policy)
     for _ in range(len(FIXERS) + 8):  # each fix shrinks its row for good: a handful are ever applied
         if plan.fits:
             break
@@ -638,6 +746,76 @@ def suggest_fixes(config: SpecTrainConfig, gpu_memory: int, policy: LlamaConfig 
         applied.update(change)
         plan = plan_config(with_overrides(config, applied), gpu_memory, policy)
     return applied, plan
+
+
+def _world(config: SpecTrainConfig, overrides: Overrides) -> int:
+    par = with_overrides(config, overrides).parallel
+    return par.dp * par.cp * par.pp
+
+
+def _layouts(config: SpecTrainConfig, policy: LlamaConfig) -> list[Overrides]:
+    """The GPU levers, each a layout: the ranks (parallel.dp doubled, with FSDP; under pp, more pipeline ranks;
+    so more nodes) and the engine's tensor-parallel size (doubled up to `MAX_SUGGESTED_TP`, a divisor of the
+    ranks). Ordered by cost: GPUs, then engine TP."""
+    par, r = config.parallel, config.rollout
+    ranks: list[Overrides] = [{}]
+    dp = par.dp * 2
+    while dp <= MAX_SUGGESTED_DP:
+        ranks.append({"parallel.dp": dp, "parallel.fsdp": True})
+        dp *= 2
+    if par.pp > 1:
+        stages_per_rank = PP_STAGES_PER_RANK[par.pp_schedule]
+        for pp in range(par.pp + 1, policy.num_hidden_layers // stages_per_rank + 1):
+            enough = math.ceil(max(par.microbatches, pp * stages_per_rank) / pp) * pp  # 1F1B: a microbatch a stage
+            ranks.append({"parallel.pp": pp, "parallel.microbatches": enough})
+    tps = [r.tensor_parallel_size]
+    while r.engine == "vllm" and tps[-1] * 2 <= MAX_SUGGESTED_TP:
+        tps.append(tps[-1] * 2)
+    layouts = [{**rank, **({"rollout.tensor_parallel_size": tp} if tp != r.tensor_parallel_size else {})}
+               for rank in ranks for tp in tps]
+    return sorted(layouts, key=lambda o: (_world(config, o), o.get("rollout.tensor_parallel_size", 0)))
+
+
+def _cost(config: SpecTrainConfig, overrides: Overrides) -> tuple[int, int, int]:
+    """GPUs, then keys changed, then engine TP: the smallest change first."""
+    return (_world(config, overrides), len(overrides),
+            int(str(overrides.get("rollout.tensor_parallel_size", config.rollout.tensor_parallel_size))))
+
+
+def suggest_fixes(config: SpecTrainConfig, gpu_memory: int, policy: LlamaConfig | None = None
+                  ) -> tuple[Overrides, MemoryPlan]:
+    """The smallest change that fits: for each layout (`_layouts`, fewest GPUs first), the same-GPU keys
+    (`_same_gpus`) on top; every candidate is re-planned and kept only if it fits and validates; the cheapest
+    (`_cost`) of the fewest GPUs wins. Returns the keys and their plan (no keys, and the best plan tried, if
+    nothing fits)."""
+    policy = policy or policy_architecture(config)
+    plan = plan_config(config, gpu_memory, policy)
+    if plan.fits:
+        return {}, plan
+    fitting: list[tuple[tuple[int, int, int], Overrides, MemoryPlan]] = []
+    fallback: tuple[Overrides, MemoryPlan] = ({}, plan)
+    for layout in _layouts(config, policy):
+        if fitting and _world(config, layout) > fitting[0][0][0]:
+            break  # a fit on fewer GPUs is cheaper than any on more
+        if layout and not _valid(with_overrides(config, layout)):
+            continue
+        applied, fixed = _same_gpus(config, policy, gpu_memory, layout)
+        applied = {k: v for k, v in applied.items() if _value(v) != _value(_current(config, k))}
+        if fixed.fits and _valid(with_overrides(config, applied)):
+            fitting.append((_cost(config, applied), applied, fixed))
+            fitting.sort(key=lambda f: f[0])
+        elif not layout:
+            fallback = (applied, fixed)
+    if fitting:
+        return fitting[0][1], fitting[0][2]
+    return fallback
+
+
+def _current(config: SpecTrainConfig, key: str) -> object:
+    node: object = config
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
 
 
 def _value(value: object) -> str:
@@ -652,22 +830,39 @@ def _gib(n: float) -> str:
     return f"{n / GIB:.2f}"
 
 
+def _nodes(world: int) -> str:
+    nodes = math.ceil(world / GPUS_PER_NODE)
+    return f"{nodes} node{'s' if nodes > 1 else ''} x {min(world, GPUS_PER_NODE)} GPUs"
+
+
+def engine_problem(plan: MemoryPlan) -> str:
+    """Why the engine's share cannot start vLLM, or '' if it can."""
+    if plan.engine_holds:
+        return ""
+    x = plan.inputs
+    return (f"the rollout engine's share ({_gib(plan.engine)} GiB) cannot hold its weight shard "
+            f"({_gib(x.engine_weights)} GiB at rollout.tensor_parallel_size={x.engine_tp}) plus a minimum KV cache "
+            f"({_gib(x.engine_kv_min)} GiB)")
+
+
 def verdict(plan: MemoryPlan, config: SpecTrainConfig, policy: LlamaConfig | None = None) -> str:
-    """One paragraph: it fits (how much is free), or the largest row and the keys that make it fit."""
+    """One paragraph: it fits (how much is free), or why not and the smallest change that fits."""
     if plan.fits:
         free = plan.gpu_memory - plan.total
         return f"fits: {_gib(plan.total)} of {_gib(plan.gpu_memory)} GiB ({_gib(free)} GiB free)"
     largest = plan.largest()[0]
-    head = (f"does not fit: {_gib(plan.total)} GiB > {_gib(plan.gpu_memory)} GiB; the largest item is "
-            f"{ITEMS[largest]} ({_gib(getattr(plan, largest))} GiB)")
+    problems = [engine_problem(plan)] if not plan.engine_holds else []
+    if plan.total > plan.gpu_memory:
+        problems.append(f"{_gib(plan.total)} GiB > {_gib(plan.gpu_memory)} GiB; the largest item is "
+                        f"{ITEMS[largest]} ({_gib(getattr(plan, largest))} GiB)")
+    head = "does not fit: " + "; and ".join(problems)
     fixes, fixed = suggest_fixes(config, plan.gpu_memory, policy)
-    if not fixes:
-        return f"{head}. No key of this layout shrinks it: use GPUs with more memory"
-    if fixed.fits:
-        return f"{head}. To fit, set {format_overrides(fixes)} (plans to {_gib(fixed.total)} GiB)"
-    more = "parallel.pp" if config.parallel.pp > 1 else "parallel.dp, with parallel.fsdp=true"
-    return (f"{head}. Setting {format_overrides(fixes)} still plans to {_gib(fixed.total)} GiB: use more GPUs "
-            f"(raise {more}) or GPUs with more memory")
+    if fixed.fits and fixes:
+        world = _world(config, fixes)
+        return (f"{head}. To fit, set {format_overrides(fixes)} (plans to {_gib(fixed.total)} GiB a GPU on "
+                f"{_nodes(world)})")
+    return (f"{head}. No layout up to parallel.dp={MAX_SUGGESTED_DP} (with parallel.fsdp=true) and "
+            f"rollout.tensor_parallel_size={MAX_SUGGESTED_TP} fits: use GPUs with more memory")
 
 
 # ---------------------------------------------------------------- the table
@@ -693,6 +888,40 @@ def _activations_note(x: PlanInputs) -> str:
     return f"{how}: {x.tokens} tokens x ({kept} + {outside_activation_bytes(x.policy, p)} B)"
 
 
+def _engine_note(x: PlanInputs) -> str:
+    if not x.engine_vllm:
+        return x.engine_note
+    sleep = "; asleep while the policy trains" if x.sleep else "; held through the step (no sleep mode)"
+    return f"{x.engine_note}{sleep}"
+
+
+def _engine_lines(plan: MemoryPlan) -> list[str]:
+    """The engine's needs, the two phases under sleep mode, and the host memory for the offloaded weights."""
+    x = plan.inputs
+    if not x.engine_vllm:
+        return []
+    need = (f"rollout engine needs {_gib(plan.engine_needs)} GiB of its {_gib(plan.engine)}: weights "
+            f"{_gib(x.engine_weights)} (parameters x {rollout_bytes(x)} B / TP {x.engine_tp}) + minimum KV cache "
+            f"{_gib(x.engine_kv_min)} ({x.engine_kv_sequences} x "
+            f"{x.engine_kv_min // max(1, x.engine_kv_token * x.engine_kv_sequences)} tokens x "
+            f"{x.engine_kv_token} B: 2 x {x.policy.num_hidden_layers} layers x "
+            f"ceil({x.policy.num_key_value_heads} kv heads / {x.engine_tp}) x {x.policy.head_dim} x "
+            f"{rollout_bytes(x)} B){'' if plan.engine_holds else ': DOES NOT HOLD'}")
+    lines = [need]
+    if x.sleep:
+        lines.append(f"sleep mode: peak = max(training {_gib(plan.training)}, rollout {_gib(plan.rollout)}: engine + "
+                     f"parameters, optimizer, reference, draft + reserve); host memory for the offloaded weights: "
+                     f"{_gib(x.host_per_node)} GiB a node ({_gib(x.engine_weights)} x the node's GPUs with an engine)")
+    else:
+        lines.append(f"no sleep mode: peak = training {_gib(plan.training)} + engine {_gib(plan.engine)}")
+    return lines
+
+
+def rollout_bytes(x: PlanInputs) -> int:
+    """The rollout dtype's element size, from the plan's weight shard (bytes per parameter per TP rank)."""
+    return round(x.engine_weights * x.engine_tp / policy_parameters(x.policy)) if x.engine_weights else 0
+
+
 def _notes(plan: MemoryPlan) -> dict[str, str]:
     """The 'how' column: each row's formula with this plan's numbers."""
     x = plan.inputs
@@ -701,7 +930,7 @@ def _notes(plan: MemoryPlan) -> dict[str, str]:
     return {
         "parameters": f"4 B x {params} / {s}", "gradients": f"4 B x {params} / {s}",
         "optimizer": f"8 B x {params} / {s}", "gathered": _gathered_note(x),
-        "reference": f"4 B x {params} / {s}" if x.reference else "none (grpo.kl_loss_coef=0)",
+        "reference": f"{x.reference_bytes} B x {params} / {s}" if x.reference else "none (grpo.kl_loss_coef=0)",
         "draft": "none" if d is None else f"{16 if x.draft_trained else 4} B x {_count(draft_parameters(d))} / {s}",
         "activations": _activations_note(x),
         "logits": "none" if not plan.logits else f"{min(x.tokens, LOGITS_CHUNK_TOKENS)} tokens x {x.policy.vocab_size}"
@@ -712,7 +941,7 @@ def _notes(plan: MemoryPlan) -> dict[str, str]:
         "draft_update": "none" if d is None or not plan.draft_inputs else
         f"{x.tokens} tokens x {draft_unroll_bytes(d, x.precision, x.ttt_passes) + draft_pass_bytes(d, x.precision)} B"
         f" ({x.ttt_passes} passes), less what the policy backward freed",
-        "engine": x.engine_note, "reserved": "fixed",
+        "engine": _engine_note(x), "reserved": "fixed",
     }
 
 
@@ -742,6 +971,7 @@ def format_plan(plan: MemoryPlan, title: str) -> str:
             lines.append(f"  {label:<{width}}{_gib(other):>8}   not counted "
                          f"(policy.activation_checkpointing={_value(not x.checkpointing)})")
     lines += [f"  {'total':<{width}}{_gib(plan.total):>8}", f"  {'GPU memory':<{width}}{_gib(plan.gpu_memory):>8}"]
+    lines += [f"  {line}" for line in _engine_lines(plan)]
     return "\n".join(lines)
 
 

@@ -90,7 +90,9 @@ class GRPOModule(L.LightningModule):
         self.reward_name = reward or reward_name(r.name, r.path, r.function)
         self.automatic_optimization = False
         # KL(policy || warm start) needs the warm start frozen beside the policy
-        self.reference = copy.deepcopy(policy).requires_grad_(False) if config.grpo.kl_loss_coef > 0 else None
+        # (in grpo.reference_dtype: bfloat16 halves it, as verl's and NeMo-RL's bf16 reference)
+        self.reference = (copy.deepcopy(policy).requires_grad_(False).to(getattr(torch, config.grpo.reference_dtype))
+                          if config.grpo.kl_loss_coef > 0 else None)
         self.engine = engine  # this rank's engine (None on a rank without one); not checkpointed
         self.engines = EngineLayout.single()  # which ranks serve which prompts (SpecTrainer sets it)
         self.plan: TrainPlan = LocalPlan()  # replaced by SpecParallelStrategy under dp/cp/pp

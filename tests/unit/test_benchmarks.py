@@ -225,7 +225,7 @@ def test_drift_study_end_to_end_writes_after_every_run_and_resumes(tmp_path, cap
         assert per_step["drift/kl_to_warmstart"][1] > 0
     assert all(math.isfinite(v) for v in data["runs"]["domain_shift/cotrained/seed0"]["per_step"]["draft/loss"])
     shifted = json.loads((work / "warmstarts/domain_shift_seed0/home_task/draft/meta.json").read_text())
-    assert shifted["settings"]["task"]["digits"] == 2  # the draft never saw the RL task (3 digits)
+    assert shifted["settings"]["toy"]["digits"] == 2  # the draft never saw the RL task (3 digits)
     for name in ("drift.md", "drift.png", "drift_policy.png"):
         assert (out / name).is_file(), name
     assert "domain_shift" in (out / "drift.md").read_text()
