@@ -214,7 +214,8 @@ class ParallelConfig:
     pp: int = 1
     pp_schedule: PipelineSchedule = "1F1B"
     microbatches: int = 2
-    # shard the policy and the draft over dp (FSDP2 fully_shard): each rank keeps 1/(dp x cp) of them
+    # shard each pipeline stage of the policy, and the draft, over its dp x cp copies (FSDP2 fully_shard): each rank
+    # keeps 1/(dp x cp) of its stage
     fsdp: bool = False
 
 

@@ -237,7 +237,7 @@ class DecoderLayer(nn.Module):
 class CausalLMOutput:
     logits: torch.Tensor | None
     hidden: torch.Tensor  # after the final norm, [T, H]
-    embeds: torch.Tensor  # embedding output, [T, H]
+    embeds: torch.Tensor | None  # embedding output, [T, H] (None: a pipeline's last stage without taps)
     tap_hidden: list[torch.Tensor] = field(default_factory=list)  # residual entering each captured layer
     logprobs: torch.Tensor | None = None  # [T] of `logprob_targets`, from the lm_head in chunks
     teacher: tuple[torch.Tensor, torch.Tensor] | None = None  # `teacher_on_draft_vocab`: ([T, Vd], top-1 [T])

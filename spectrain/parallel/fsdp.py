@@ -24,6 +24,7 @@ format an unsharded run writes, so either kind of run resumes the other's checkp
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -49,7 +50,7 @@ def sum_gradients(module: nn.Module) -> None:
             unit.set_force_sum_reduction_for_comms(True)
 
 
-def shard_stage(stage: nn.Module, mesh, mp: MixedPrecisionPolicy,
+def shard_stage(stage: Any, mesh, mp: MixedPrecisionPolicy,
                 root_reshard_after_forward: bool | None = None) -> None:
     """One FSDP unit per decoder layer of `stage` (gathered just before it runs, freed after), then the rest (None:
     FSDP's default for a root, kept gathered from its forward to its backward).
@@ -113,8 +114,8 @@ def full_tensor(t: torch.Tensor, keep: bool) -> torch.Tensor | None:
 
 def gathered(named: Iterable[tuple[str, torch.Tensor]], keep: bool) -> NamedTensors | None:
     """Each tensor gathered in turn, in `named`'s order; the list where `keep`, None elsewhere."""
-    out = [(name, full_tensor(t, keep)) for name, t in named]
-    return out if keep else None
+    out = [(name, full_tensor(t, keep)) for name, t in named]  # every rank joins every gather
+    return [(name, t) for name, t in out if t is not None] if keep else None
 
 
 def gathered_state_dict(module: nn.Module, keep: bool) -> dict[str, torch.Tensor]:
@@ -147,7 +148,7 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 def unsharded_copy(module: nn.Module | None, keep: bool) -> nn.Module | None:
     """A plain copy of a sharded `module` (its class rebuilt from its `cfg`, the gathered weights loaded) where
     `keep`, for writing it out; an unsharded module as it is. Collective when sharded."""
-    if not is_sharded(module):
+    if module is None or not is_sharded(module):
         return module
     state = gathered_state_dict(module, keep)
     if not keep:

@@ -78,7 +78,7 @@ def clip_grad_norm(module: nn.Module, max_norm: float, stage_group: dist.Process
     parameters are a part of the model: `stage_group` (the pp group) adds the stages' squares.
     """
     params = [p for p in module.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
     norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
     if stage_group is not None:
         squared = norm.pow(2)

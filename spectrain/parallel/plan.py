@@ -97,7 +97,12 @@ class TapCollector:
 def draft_inputs_from(out: CausalLMOutput, batch: RolloutBatch, ops, shift_fn, num_valid_tokens: float) -> DraftInputs:
     """The draft's inputs from one policy forward: its teacher restricted to the draft vocabulary when the forward
     computed it (`teacher_t2d`), else its full logits."""
-    teacher, top1 = out.teacher if out.teacher is not None else (out.logits.detach(), None)
+    if out.teacher is not None:
+        teacher, top1 = out.teacher
+    else:
+        assert out.logits is not None, "a forward for the draft computes its teacher or the logits"
+        teacher, top1 = out.logits.detach(), None
+    assert out.embeds is not None, "a forward for the draft keeps the embeddings"
     return DraftInputs(batch, out.embeds.detach(), [h.detach() for h in out.tap_hidden], teacher, ops, shift_fn,
                        num_valid_tokens, top1)
 

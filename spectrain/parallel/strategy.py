@@ -226,7 +226,7 @@ class SpecParallelStrategy(ParallelStrategy):
     def set_world_ranks(self) -> None:
         # not a Strategy method: Lightning's accelerator connector calls it where a strategy has it (as DDP's).
         # torchrun fixed the ranks; Lightning's rank-zero-only loggers and prints must agree
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # Lightning's
 
     @override
     def _configure_launcher(self) -> None:
@@ -269,7 +269,7 @@ class SpecParallelStrategy(ParallelStrategy):
         if self.parallel.fsdp:
             from spectrain.parallel.fsdp import shard_modules
 
-            module = self.lightning_module
+            module: Any = self.lightning_module
             bf16 = str(getattr(self.precision_plugin, "precision", "32-true")).startswith("bf16")
             shard_modules(self.plan, module.policy, module.draft.model if module.draft is not None else None,
                           getattr(module, "reference", None), torch.bfloat16 if bf16 else None)
@@ -281,6 +281,7 @@ class SpecParallelStrategy(ParallelStrategy):
             return super().lightning_module_state_dict()
         from spectrain.parallel.fsdp import gathered_state_dict
 
+        assert self.lightning_module is not None
         return gathered_state_dict(self.lightning_module, keep=self.is_global_zero)
 
     @override

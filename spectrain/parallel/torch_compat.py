@@ -52,7 +52,8 @@ def fsdp_param_dtype(unit) -> torch.dtype | None:
     """The `param_dtype` of the `MixedPrecisionPolicy` an FSDP2 unit was sharded with (None: its parameters')."""
     from torch.distributed.fsdp import fully_shard
 
-    return attribute(fully_shard.state(unit), "_mp_policy", "FSDPState").param_dtype
+    state = fully_shard.state(unit)  # type: ignore[attr-defined]  # torch's @contract adds `state`, untyped
+    return attribute(state, "_mp_policy", "FSDPState").param_dtype
 
 
 # pipelining schedules ---------------------------------------------------------------

@@ -43,6 +43,9 @@ LAYOUTS = {  # name -> (processes, overrides); pp=1 in this process is the refer
     "pp4_1f1b": (4, ["parallel.pp=4", "parallel.pp_schedule=1F1B", "parallel.microbatches=4"]),
     "pp2_dp2_1f1b": (4, ["parallel.pp=2", "parallel.dp=2", "parallel.pp_schedule=1F1B", "parallel.microbatches=2"]),
     "pp2_cp2_gpipe": (4, ["parallel.pp=2", "parallel.cp=2", "parallel.pp_schedule=GPipe", "parallel.microbatches=2"]),
+    # FSDP inside each pipeline stage: the stage's 2 dp copies each hold half of it
+    "pp2_dp2_fsdp": (4, ["parallel.pp=2", "parallel.dp=2", "parallel.fsdp=true", "parallel.pp_schedule=1F1B",
+                         "parallel.microbatches=2"]),
     "cp2": (2, ["parallel.cp=2"]),  # the metric sums over ranks without pp, too
     # micro-batches of about two documents (each ~20 tokens): gradients accumulate, the draft takes each one's taps
     "micro": (1, ["grpo.micro_batch_tokens=40"]),

@@ -10,6 +10,8 @@ gradients over all dp x cp ranks gives exactly the single-process gradients.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -67,7 +69,8 @@ def shard_batch(batch: RolloutBatch, layout: ZigzagLayout, pad_id: int) -> Rollo
         response_mask=shard(batch.response_mask, layout, False),
         advantages=shard(batch.advantages, layout, 0.0),
         rollout_logprobs=shard(batch.rollout_logprobs, layout, 0.0),
-        response_lengths=shard(batch.response_lengths, layout, 0.0),  # the whole document's, not the shard's
+        # the whole document's, not the shard's
+        response_lengths=None if batch.response_lengths is None else shard(batch.response_lengths, layout, 0.0),
     )
     assert torch.equal(shard(batch.position_ids, layout, 0)[layout.valid], layout.position_ids[layout.valid]), (
         "batch.position_ids must count from 0 inside every document")
@@ -101,7 +104,7 @@ class ContextParallelPlan:
         self.replica_group = self.replica_mesh.get_group()
         self.is_rollout_rank = dist.get_rank() == ROLLOUT_RANK
 
-    def prepare(self, module: nn.Module) -> None:
+    def prepare(self, module: Any) -> None:  # the LightningModule (its policy)
         """Before any work: the policy's ops can run under CP, and every replica starts from rank 0's weights."""
         check_cp_attention_ops(module.policy.attention_ops)
         with torch.no_grad():

@@ -32,6 +32,8 @@ microbatch beyond the tightest fit) and the number of runners kept.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -200,7 +202,7 @@ class PipelinePlan:
         self._loss_fn: PolicyLossFn | None = None
         self._outputs: list[tuple[CausalLMOutput, RolloutBatch, torch.Tensor]] = []
 
-    def prepare(self, module: nn.Module) -> None:
+    def prepare(self, module: Any) -> None:  # the LightningModule (its policy)
         """Before any work: CP-capable attention ops, and every rank starts from rank 0's weights."""
         if self.cp_size > 1:
             check_cp_attention_ops(module.policy.attention_ops)
@@ -238,6 +240,7 @@ class PipelinePlan:
         return self._runners[key]
 
     def _microbatch_loss(self, out: CausalLMOutput, mb: RolloutBatch) -> torch.Tensor:
+        assert self._loss_fn is not None and out.logits is not None, "the last stage's loss, inside a step"
         loss, logprobs = self._loss_fn(dense_token_logprobs(out.logits, mb.targets), mb)
         self._outputs.append((out, mb, logprobs.detach()))
         return loss
@@ -310,6 +313,7 @@ class PipelinePlan:
             return None
         named = gathered(LocalPlan().policy_weights(policy), keep=self.is_rollout_rank or everywhere)
         if everywhere:  # one device on every rank for the broadcast (a no-op unsharded: into the policy itself)
+            assert named is not None
             device = next(policy.parameters()).device
             named = [(n, t.to(device)) for n, t in named]
             _broadcast_into([t for _, t in named], ROLLOUT_RANK)
@@ -337,7 +341,7 @@ class PipelinePlan:
         tensors = list(draft.state_dict().values())
         sharded = self.hosts_draft and is_sharded(draft)
         if sharded:
-            tensors = [full_tensor(t, keep=True).to(t.device) for t in tensors]
+            tensors = [full_tensor(t, keep=True).to(t.device) for t in tensors]  # type: ignore[union-attr]  # kept
         if self.gathers_weights and self.pp_rank == self.last_stage_rank:
             _send(tensors, self.pp_group, 0)
         elif self.is_rollout_rank:

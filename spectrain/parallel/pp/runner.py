@@ -42,14 +42,21 @@ from spectrain.parallel.pp.tap_channel import TapChannel
 from spectrain.parallel.torch_compat import forward_actions, internal, schedule_microbatches
 
 
-class DocBatch(Protocol):
-    """A packed batch the runner can cut into microbatches (e.g. `spectrain.batch.RolloutBatch`)."""
+class PackedDocs(Protocol):
+    """Packed documents (e.g. `spectrain.batch.RolloutBatch`)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     cu_seqlens: torch.Tensor
 
-    def select(self, doc_indices: list[int]) -> "DocBatch": ...
+
+class DocBatch(Protocol):
+    """What the runner cuts into microbatches: document lengths, and the packed documents of a group of them
+    (`spectrain.batch.RolloutBatch`, or `ZigzagDocs`: this cp rank's shards)."""
+
+    cu_seqlens: torch.Tensor
+
+    def select(self, doc_indices: list[int]) -> PackedDocs: ...
 
 
 def split_microbatches(
@@ -85,7 +92,7 @@ def split_microbatches(
     return groups
 
 
-def _pack_microbatches(mbs: Sequence[DocBatch], tokens: int, pad_id: int, device) -> tuple[torch.Tensor, ...]:
+def _pack_microbatches(mbs: Sequence[PackedDocs], tokens: int, pad_id: int, device) -> tuple[torch.Tensor, ...]:
     """Concatenate microbatches padded to `tokens` each: ids, positions `[n*T]`, cu `[n*(D+1)]`."""
     docs = max(mb.cu_seqlens.numel() - 1 + (mb.input_ids.numel() < tokens) for mb in mbs)
     ids, pos, cus = [], [], []

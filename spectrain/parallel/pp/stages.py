@@ -8,6 +8,7 @@ renaming. Stage `s` runs on pp rank `s % pp_size` (pipelining's placement).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -83,17 +84,17 @@ class PolicyStage(nn.Module):
             raise ValueError(
                 "tie_word_embeddings=True puts lm_head.weight on stage 0 and on the last stage; untie "
                 "the embeddings (tie_word_embeddings=False) or train without pipeline parallelism")
-        self.attention_ops = policy.attention_ops
+        self.attention_ops: Any = policy.attention_ops  # the policy's, or the CP ring ops (PipelinePlan)
         self.tap_sink: Callable[[int, str, torch.Tensor], None] | None = None
         assert set(policy.model.layers.keys()) == {str(i) for i in range(cfg.num_hidden_layers)}, (
             "split_policy needs the full, unsplit policy")
-        self.model = nn.Module()  # `model.*` keeps the HF prefix
+        self.model: Any = nn.Module()  # `model.*` keeps the HF prefix: a container of this stage's parts
         if self.is_first:
             self.model.embed_tokens = policy.model.embed_tokens
         self.model.layers = nn.ModuleDict({str(i): policy.model.layers[str(i)] for i in self.layer_ids})
         if self.is_last:
             self.model.norm = policy.model.norm
-            self.lm_head = policy.lm_head
+            self.lm_head: nn.Linear = policy.lm_head
 
     @property
     def is_first(self) -> bool:

@@ -215,8 +215,8 @@ class TapChannel:
         self._sends.append((self._send(header, payload), header, payload))
 
     def _send(self, header: torch.Tensor, payload: torch.Tensor) -> list[dist.Work]:
-        return [dist.isend(header, group=self.group, group_dst=self.dst_rank),
-                dist.isend(payload, group=self.group, group_dst=self.dst_rank)]
+        return [_posted(dist.isend(header, group=self.group, group_dst=self.dst_rank)),
+                _posted(dist.isend(payload, group=self.group, group_dst=self.dst_rank))]
 
     # ---------------------------------------------------------------- destination side
     def _new_slot(self) -> _Slot:
@@ -234,8 +234,8 @@ class TapChannel:
         expected, free = self._expected[src_rank], self._free[src_rank]
         while expected and free:
             msg, slot = expected.popleft(), free.pop()
-            works = [dist.irecv(slot.header, group=self.group, group_src=src_rank),
-                     dist.irecv(slot.payload, group=self.group, group_src=src_rank)]
+            works = [_posted(dist.irecv(slot.header, group=self.group, group_src=src_rank)),
+                     _posted(dist.irecv(slot.payload, group=self.group, group_src=src_rank))]
             self._inflight[src_rank].append((msg, slot, works))
 
     def _land_one(self, src_rank: int) -> None:
@@ -296,3 +296,9 @@ class BlockingTapTransport(TapChannel):
 
     def _landing_slots(self, src_rank: int, num_messages: int) -> list[_Slot]:
         return [self._new_slot() for _ in range(num_messages)]
+
+
+def _posted(work: dist.Work | None) -> dist.Work:
+    """A point-to-point op's handle (torch types it optional: None only on ranks outside the group)."""
+    assert work is not None, "a tap message posted from outside its group"
+    return work
