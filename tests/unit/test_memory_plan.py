@@ -436,9 +436,9 @@ def test_the_suggestion_is_the_smallest_change_that_fits(name, recipe, overrides
 @pytest.mark.parametrize("name, recipe", [("Qwen3-8B", "qwen3_gsm8k"), ("Qwen2.5-32B", "qwen3_gsm8k"),
                                           ("Llama-3.1-70B", "llama3_math")])
 def test_no_fits_verdict_leaves_an_engine_unable_to_hold_its_weights(name, recipe, tmp_path):
-    for dp in (8, 16, 32, 64, 128):
+    for dp in (8, 32, 128):
         for tp in (1, 2, 4, 8):
-            for share in (0.3, 0.4, 0.6, 0.8):
+            for share in (0.3, 0.6, 0.8):
                 for sleep in ("true", "false"):
                     config = public_config(tmp_path, name, recipe, f"parallel.dp={dp}",
                                            f"rollout.tensor_parallel_size={tp}",
