@@ -24,7 +24,7 @@ format an unsharded run writes, so either kind of run resumes the other's checkp
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from torch import nn
@@ -101,6 +101,14 @@ def compute_dtype(module: nn.Module) -> torch.dtype:
 def is_sharded(module: nn.Module | None) -> bool:
     """Whether any part of `module` is sharded (under pp, only this rank's stage of the policy is)."""
     return module is not None and any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+@overload
+def full_tensor(t: torch.Tensor, keep: Literal[True]) -> torch.Tensor: ...
+
+
+@overload
+def full_tensor(t: torch.Tensor, keep: bool) -> torch.Tensor | None: ...
 
 
 def full_tensor(t: torch.Tensor, keep: bool) -> torch.Tensor | None:

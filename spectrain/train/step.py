@@ -196,15 +196,11 @@ def bind_step_callbacks(callbacks: list[object]) -> StepCallbacks:
     """The callbacks that run the step's `draft_update` and `weight_sync` phases: at most one of each (a second
     would update the draft or sync the weights twice per step). Checks the others' order first."""
     check_callback_order(callbacks)
-    found: dict[str, list[object]] = {"draft_update": [], "weight_sync": []}
-    for callback in callbacks:
-        if isinstance(callback, DraftUpdater):
-            found["draft_update"].append(callback)
-        if isinstance(callback, WeightSyncer):
-            found["weight_sync"].append(callback)
-    for phase, owners in found.items():
+    updaters = [c for c in callbacks if isinstance(c, DraftUpdater)]
+    syncers = [c for c in callbacks if isinstance(c, WeightSyncer)]
+    for phase, owners in (("draft_update", updaters), ("weight_sync", syncers)):
         if len(owners) > 1:
             names = ", ".join(type(c).__name__ for c in owners)
             raise ConfigError(f"trainer callbacks: {len(owners)} callbacks run the step's {phase} phase ({names}); "
                               f"keep one (each would run it every step)")
-    return StepCallbacks(*(owners[0] if owners else None for owners in found.values()))  # type: ignore[arg-type]
+    return StepCallbacks(updaters[0] if updaters else None, syncers[0] if syncers else None)

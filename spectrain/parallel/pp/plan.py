@@ -341,7 +341,7 @@ class PipelinePlan:
         tensors = list(draft.state_dict().values())
         sharded = self.hosts_draft and is_sharded(draft)
         if sharded:
-            tensors = [full_tensor(t, keep=True).to(t.device) for t in tensors]  # type: ignore[union-attr]  # kept
+            tensors = [full_tensor(t, keep=True).to(t.device) for t in tensors]
         if self.gathers_weights and self.pp_rank == self.last_stage_rank:
             _send(tensors, self.pp_group, 0)
         elif self.is_rollout_rank:
