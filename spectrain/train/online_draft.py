@@ -88,6 +88,7 @@ class OnlineDraft:
         optimizer = self.optimizer = draft_optimizer(self.model, self.training.lr)
         if self.warmup_optimizer_state is not None:
             _load_sharded(optimizer, self.warmup_optimizer_state)
+            self.warmup_optimizer_state = None  # full-size moments: not held for the whole run
             for group in optimizer.param_groups:
                 group["lr"] = self.training.lr
         ramp = self.training.lr_ramp_updates
